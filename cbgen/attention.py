@@ -1,0 +1,259 @@
+"""Paged attention, plugged into transformers through its ``AttentionInterface``.
+
+The model runs once per step over all scheduled tokens packed into a single
+sequence (batch dimension 1). Each attention layer calls ``paged_attention``,
+which stores the step's new K/V in the paged cache and then attends, for every
+request, over that request's own cached tokens:
+
+* decode rows (one new token per request) go through one batched grouped
+  matmul over K/V gathered from the block tables, masked past each context;
+* prefill chunks go through torch SDPA one request at a time, causal within
+  the chunk and over everything cached before it.
+
+What the function needs beyond the layer's tensors (slot mapping, block tables,
+the cache itself) comes from the step's ``AttentionMetadata``, installed for the
+duration of ``model.forward`` with ``attention_context``; a thread-local keeps
+concurrent engines (one per thread) apart.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .cache.paged_cache import LayerSpec, PagedKVCache
+
+ATTENTION_NAME = "cbgen_paged"
+
+
+@dataclass
+class PrefillSpan:
+    """One request's prefill chunk: ``q_len`` query rows at ``q_start`` of the packed batch."""
+
+    q_start: int
+    q_len: int
+    context_len: int  # tokens cached before this chunk + q_len
+    block_ids: torch.Tensor | None  # blocks covering context_len; None when nothing was cached
+    mask: torch.Tensor | None  # [q_len, context_len] bool, None for a fresh causal chunk
+
+
+@dataclass
+class AttentionMetadata:
+    cache: PagedKVCache
+    layer_of_module: dict[int, int]
+    slot_mapping: torch.Tensor  # [tokens] flat cache slot of each new token
+    decode_rows: torch.Tensor | None = None  # [decodes] row of each decode token in the batch
+    decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [decodes]
+    decode_padding_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks*block_size]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+@dataclass
+class ProbeRecord:
+    """Filled by a probe forward: one ``LayerSpec`` per attention module, in call order."""
+
+    layer_of_module: dict[int, int] = field(default_factory=dict)
+    layers: list[LayerSpec] = field(default_factory=list)
+
+
+_state = threading.local()
+
+
+@contextmanager
+def attention_context(metadata: AttentionMetadata | ProbeRecord) -> Iterator[None]:
+    previous = getattr(_state, "metadata", None)
+    _state.metadata = metadata
+    try:
+        yield
+    finally:
+        _state.metadata = previous
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query`` is ``[1, heads, tokens, dim]``, ``key``/``value`` ``[1, kv_heads, tokens, dim]``.
+
+    Returns ``[1, tokens, heads, value_dim]`` as transformers' attention modules expect.
+    """
+    metadata = getattr(_state, "metadata", None)
+    if metadata is None:
+        raise RuntimeError(
+            f"the '{ATTENTION_NAME}' attention only runs inside a cbgen engine step; "
+            "restore the model's attention implementation (Engine.close()) to use it elsewhere"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by cbgen yet")
+    if query.shape[0] != 1:
+        raise RuntimeError(f"cbgen packs every step into batch size 1, got {query.shape[0]}")
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+
+    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
+    k = key[0].transpose(0, 1)  # [tokens, kv_heads, dim]
+    v = value[0].transpose(0, 1)
+
+    if isinstance(metadata, ProbeRecord):
+        return _probe(metadata, module, q, k, v, scale)
+
+    layer = metadata.layer_of_module[id(module)]
+    cache = metadata.cache
+    cache.write(layer, metadata.slot_mapping, k, v)
+
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if metadata.decode_rows is not None:
+        out[metadata.decode_rows] = _decode_attention(
+            q.index_select(0, metadata.decode_rows),
+            cache.keys[layer],
+            cache.values[layer],
+            metadata,
+            scale,
+            sliding_window,
+            softcap,
+        )
+    for span in metadata.prefills:
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        if span.block_ids is None:
+            span_k, span_v = k[rows], v[rows]
+        else:
+            span_k = cache.keys[layer][span.block_ids].flatten(0, 1)[: span.context_len]
+            span_v = cache.values[layer][span.block_ids].flatten(0, 1)[: span.context_len]
+        out[rows] = _prefill_attention(
+            q[rows], span_k, span_v, span, scale, sliding_window, softcap
+        )
+    return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One query token per request against its gathered blocks, as a grouped matmul."""
+    assert metadata.decode_block_tables is not None and metadata.decode_padding_mask is not None
+    num_seqs, num_heads, head_dim = q.shape
+    keys = key_cache[metadata.decode_block_tables].flatten(1, 2)  # [seqs, ctx, kv_heads, dim]
+    values = value_cache[metadata.decode_block_tables].flatten(1, 2)
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale  # [seqs, kv, group, ctx]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + metadata.decode_padding_mask
+    if sliding_window is not None:
+        assert metadata.decode_context_lens is not None
+        positions = torch.arange(scores.shape[-1], device=scores.device)
+        first_visible = (metadata.decode_context_lens - sliding_window).view(-1, 1, 1, 1)
+        scores = scores.masked_fill(positions < first_visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [seqs, kv, group, vdim]
+    return out.reshape(num_seqs, num_heads, -1)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``q`` is ``[q_len, heads, dim]``; ``k``/``v`` are ``[context_len, kv_heads, dim]``."""
+    mask = span.mask
+    if sliding_window is not None:
+        q_pos = torch.arange(span.context_len - span.q_len, span.context_len, device=q.device)
+        k_pos = torch.arange(span.context_len, device=q.device)
+        window = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) & (
+            k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - sliding_window
+        )
+        mask = window
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if softcap is not None:
+        return _eager_attention(qh, kh, vh, mask, scale, softcap, span).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        qh.unsqueeze(0),
+        kh.unsqueeze(0),
+        vh.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=kh.shape[0] != qh.shape[0],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    span: PrefillSpan,
+) -> torch.Tensor:
+    """Explicit softmax attention for the cases SDPA cannot express (logit soft-capping)."""
+    group = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(span.q_len, span.context_len, dtype=torch.bool, device=q.device).tril(
+            span.context_len - span.q_len
+        )
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def _probe(
+    record: ProbeRecord,
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, None]:
+    if id(module) in record.layer_of_module:
+        raise NotImplementedError(
+            "an attention module ran twice in one forward (shared layers); cbgen does not support it"
+        )
+    record.layer_of_module[id(module)] = len(record.layers)
+    record.layers.append(LayerSpec(k.shape[1], k.shape[2], v.shape[2], k.dtype))
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1).unsqueeze(0), None
+
+
+def register() -> None:
+    """Make ``cbgen_paged`` a valid ``attn_implementation`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,115 @@
+"""Per-layer K/V tensors laid out in fixed-size blocks."""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one attention layer stores per token, as observed by running the model."""
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_kv_heads * (self.key_dim + self.value_dim) * itemsize
+
+
+def bytes_per_token(layers: list[LayerSpec]) -> int:
+    return sum(layer.bytes_per_token for layer in layers)
+
+
+def default_cache_budget(device: torch.device) -> int:
+    """A KV budget in bytes that leaves room for weights and activations.
+
+    On CPU the budget is address space: pages are committed only when a block is
+    first written, so the resident size follows the live requests, not this
+    number. On CUDA it is a share of the memory left after loading the model.
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * 0.6)
+    available = _available_host_memory()
+    return int(min(8 << 30, max(256 << 20, available * 0.4)))
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose host pages are committed only when written.
+
+    The cache must start out finite: attention reads whole blocks and masks the
+    unused tail, and ``0 * NaN`` from uninitialised memory would still poison
+    the result. ``torch.zeros`` would commit the whole budget up front on CPU;
+    an anonymous mapping is zero-filled by the kernel page by page instead.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(buffer, dtype=dtype, count=numel)
+    return flat.view(shape)
+
+
+class PagedKVCache:
+    """K and V for every layer, each ``[num_blocks, block_size, kv_heads, dim]``.
+
+    Token ``p`` of a request lives in block ``block_ids[p // block_size]`` at
+    offset ``p % block_size``; its flat slot is ``block * block_size + offset``.
+    """
+
+    def __init__(
+        self,
+        layers: list[LayerSpec],
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for spec in layers:
+            shape = (num_blocks, block_size, spec.num_kv_heads)
+            self.keys.append(_zeros((*shape, spec.key_dim), spec.dtype, device))
+            self.values.append(_zeros((*shape, spec.value_dim), spec.dtype, device))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(
+        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Store ``key``/``value`` (``[tokens, kv_heads, dim]``) at the given flat slots."""
+        self.keys[layer].view(-1, *key.shape[1:]).index_copy_(0, slots, key)
+        self.values[layer].view(-1, *value.shape[1:]).index_copy_(0, slots, value)

@@ -1,0 +1,107 @@
+"""``python -m cbgen generate ...``: chat completions from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from .config import EngineConfig
+from .generate import generate_batch
+from .models import load_model
+from .sampling import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cbgen", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="complete chat prompts with continuous batching")
+    gen.add_argument("--model", default="smollm2", help="bundled name, HF folder or .gguf file")
+    gen.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
+    gen.add_argument("--prompts-file", help="a file with one user message per line")
+    gen.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    gen.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
+    gen.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    gen.add_argument("--progress", action="store_true", help="show a progress bar")
+    gen.add_argument("--quiet", action="store_true", help="print only the throughput line")
+    return parser
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts.extend(line.rstrip("\n") for line in f if line.strip())
+    return prompts
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    import torch
+
+    prompts = _read_prompts(args)
+    if not prompts:
+        print("cbgen generate: give at least one --prompt or a --prompts-file", file=sys.stderr)
+        return 2
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.no_chat_template or tokenizer.chat_template is None:
+        token_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    else:
+        token_ids = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+            for p in prompts
+        ]
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    config = EngineConfig(
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    started = time.perf_counter()
+    outputs = generate_batch(model, token_ids, params, config, progress=args.progress)
+    wall = time.perf_counter() - started
+    if not args.quiet:
+        for prompt, output in zip(prompts, outputs, strict=True):
+            text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            print(
+                f"### {prompt}\n{text.strip()}\n[{output.finish_reason}, {len(output.token_ids)} tokens]\n"
+            )
+    prompt_tokens = sum(len(t) for t in token_ids)
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    print(
+        f"{len(outputs)} requests | prompt {prompt_tokens} tok ({prompt_tokens / wall:.1f} tok/s) | "
+        f"output {output_tokens} tok ({output_tokens / wall:.1f} tok/s) | wall {wall:.2f} s"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return generate_command(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Engine-wide settings: cache geometry, batch budget and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """How big the paged KV cache is and how much work one step may carry.
+
+    The cache size is either an explicit ``num_blocks`` or a byte budget
+    (``kv_cache_memory``); when both are ``None`` the engine picks a budget from
+    the device's free memory (see ``cbgen.cache.paged_cache.default_cache_budget``).
+    CPU memory for the cache is committed lazily by the OS, so a generous budget
+    only costs what the running requests actually touch.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_batch_tokens: int = 512
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.max_batch_tokens <= 0:
+            raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

@@ -1,0 +1,199 @@
+"""The step loop: scheduler -> batch builder -> runner -> sampler -> output processor."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .batch import BatchBuilder
+from .cache.allocator import BlockAllocator
+from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
+from .config import EngineConfig
+from .output import OutputProcessor
+from .request import FinishReason, Request, RequestOutput, RequestStatus
+from .runner import ModelRunner
+from .sampler import Sampler
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one ``transformers`` causal LM.
+
+    Synchronous: the caller adds requests and calls ``step()`` until
+    ``has_unfinished()`` is False. The model's attention implementation is
+    switched to cbgen's while the engine lives; use the engine as a context
+    manager (or call ``close()``) to switch it back.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        model.eval()
+        self.model = model
+        self.runner = ModelRunner(model)
+        try:
+            self._build(model)
+        except BaseException:
+            self.runner.close()
+            raise
+
+    def _build(self, model: torch.nn.Module) -> None:
+        config = self.config
+        layers = self.runner.probe.layers
+        per_token = bytes_per_token(layers)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        else:
+            budget = config.kv_cache_memory or default_cache_budget(self.runner.device)
+            num_blocks = budget // (per_token * config.block_size)
+            if num_blocks < 1:
+                raise ValueError(f"KV cache budget of {budget} bytes holds no block")
+        self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.runner.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(
+            self.allocator, config.block_size, config.max_batch_tokens, config.max_num_seqs
+        )
+        self.batch_builder = BatchBuilder(self.cache, self.runner.probe.layer_of_module)
+        self.sampler = Sampler()
+        model_limit = (
+            config.max_model_len or _model_context_limit(model) or self.cache.capacity_tokens
+        )
+        self.max_model_len = min(model_limit, self.cache.capacity_tokens)
+        self.output_processor = OutputProcessor(_model_eos_ids(model), self.max_model_len)
+        self.vocab_size = self.runner.vocab_size
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        logger.info(
+            "cbgen: %d KV blocks of %d tokens (%.1f MiB, %d bytes/token), context limit %d",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size * per_token / 2**20,
+            per_token,
+            self.max_model_len,
+        )
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raise ``ValueError`` naming it if it cannot run."""
+        params = params if params is not None else SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r}: this id is already in use")
+        prompt = self._validate(request_id, prompt_token_ids, params)
+        request = Request(request_id, prompt, params, next(self._arrivals))
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _validate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[int]:
+        def fail(message: str) -> ValueError:
+            return ValueError(f"request {request_id!r}: {message}")
+
+        if not isinstance(params, SamplingParams):
+            raise fail(f"params must be SamplingParams, got {type(params).__name__}")
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.flatten().tolist()
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise fail("the prompt is empty")
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise fail(f"token ids must be ints, got {token!r}")
+            if not 0 <= token < self.vocab_size:
+                raise fail(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise fail(
+                f"the prompt has {len(prompt)} tokens but the context limit is "
+                f"{self.max_model_len} (room for at least one new token is needed)"
+            )
+        return prompt
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its blocks come back at once. False if it is unknown or done."""
+        request = self._requests.pop(request_id, None)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.finish(request, FinishReason.ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return an output for every request that got a token."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        batch = self.batch_builder.build(scheduled)
+        logits = self.runner.execute(batch)
+        requests = [chunk.request for chunk in batch.sampled_chunks]
+        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
+        outputs, finished = self.output_processor.process(scheduled, tokens)
+        for request, reason in finished:
+            self.scheduler.finish(request, reason)
+            self._requests.pop(request.request_id, None)
+        return outputs
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort what is left and give the model its own attention implementation back."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self.runner.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        request = self._requests.get(request_id)
+        return request.status if request is not None else None
+
+
+def _model_context_limit(model: torch.nn.Module) -> int | None:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _model_eos_ids(model: torch.nn.Module) -> set[int]:
+    """The ids ``model.generate()`` stops on: the generation config's, else the model config's."""
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

@@ -1,0 +1,74 @@
+"""Run the model: one forward pass per step over the packed batch."""
+
+from __future__ import annotations
+
+import torch
+
+from . import attention
+from .attention import ProbeRecord, attention_context
+from .batch import StepBatch
+
+
+class ModelRunner:
+    """Owns the model's attention switch and the forward call.
+
+    On construction it switches the model to cbgen's paged attention and probes
+    it with a two-token forward to learn, per attention layer, how many K/V
+    heads and which head sizes it stores (read off the tensors the layer
+    actually produces, so no per-architecture config keys are needed).
+    ``close()`` restores the model's own attention implementation.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.device = _model_device(model)
+        attention.register()
+        self._original_attention = model.config._attn_implementation
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+        if model.config._attn_implementation != attention.ATTENTION_NAME:
+            self.close()
+            raise ValueError(
+                f"{type(model).__name__} does not route attention through transformers' "
+                "AttentionInterface, so cbgen cannot page its KV cache"
+            )
+        self.probe = self._probe()
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+
+    def _probe(self) -> ProbeRecord:
+        record = ProbeRecord()
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        positions = torch.arange(2, device=self.device).unsqueeze(0)
+        with torch.inference_mode(), attention_context(record):
+            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+        if not record.layers:
+            raise ValueError(f"{type(self.model).__name__} ran no attention layer through cbgen")
+        return record
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Return the logits of the sampled rows, ``[samples, vocab]``."""
+        if batch.logits_indices.numel() == 0:
+            logits_to_keep: int | torch.Tensor = 1  # nothing to sample; keep the LM head tiny
+        else:
+            logits_to_keep = batch.logits_indices
+        with torch.inference_mode(), attention_context(batch.attention):
+            output = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+            )
+        if batch.logits_indices.numel() == 0:
+            return output.logits[0, :0]
+        return output.logits[0]
+
+    def close(self) -> None:
+        if self._original_attention is not None:
+            self.model.set_attn_implementation(self._original_attention)
+            self._original_attention = None
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")

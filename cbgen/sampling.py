@@ -1,0 +1,73 @@
+"""Per-request sampling settings and their validation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    ``temperature == 0`` means greedy decoding (the default, and the mode whose
+    output is token-identical to ``model.generate()``). ``top_k == 0`` and
+    ``top_p == 1.0`` disable those filters. ``eos_token_ids`` are stop ids on
+    top of the model's own EOS ids; ``ignore_eos`` turns every stop id off so a
+    request produces exactly ``max_new_tokens`` (what benchmarks want).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_ids: Sequence[int] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` describing the first invalid setting."""
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        for token_id in self.eos_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"eos_token_ids must hold non-negative ints, got {token_id!r}")
+
+    @classmethod
+    def from_generation_config(cls, generation_config: Any) -> SamplingParams:
+        """Translate the subset of a ``transformers.GenerationConfig`` that cbgen honours."""
+        gc = generation_config
+        max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else 20
+        eos = gc.eos_token_id
+        eos_ids: tuple[int, ...] = (
+            () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        )
+        if not gc.do_sample:
+            return cls(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
+        return cls(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if gc.temperature is None else float(gc.temperature),
+            top_k=0 if gc.top_k is None else int(gc.top_k),
+            top_p=1.0 if gc.top_p is None else float(gc.top_p),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,155 @@
+"""Shared fixtures: tiny random-weight models of several architectures, the bundled model."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+
+
+def _config(arch: str):
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(**COMMON)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**COMMON)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**COMMON, head_dim=16)
+    if arch == "mistral":
+        return tf.MistralConfig(**COMMON, sliding_window=None)
+    if arch == "mistral-sliding":
+        return tf.MistralConfig(**COMMON, sliding_window=12)
+    if arch == "phi3":
+        return tf.Phi3Config(**COMMON)
+    if arch == "gemma":
+        return tf.GemmaConfig(**COMMON, head_dim=16)
+    if arch == "gemma2":
+        return tf.Gemma2Config(**COMMON, head_dim=16, sliding_window=12, attn_logit_softcapping=5.0)
+    if arch == "olmo2":
+        return tf.Olmo2Config(**COMMON)
+    if arch == "granite":
+        return tf.GraniteConfig(**COMMON)
+    if arch == "stablelm":
+        return tf.StableLmConfig(**COMMON)
+    if arch == "phi":
+        return tf.PhiConfig(**{**COMMON, "num_key_value_heads": 4})
+    if arch == "gpt_neox":
+        return tf.GPTNeoXConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            initializer_range=0.2,
+        )
+    if arch == "gpt2":
+        return tf.GPT2Config(
+            vocab_size=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            initializer_range=0.2,
+        )
+    if arch == "opt":
+        return tf.OPTConfig(
+            vocab_size=256,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            word_embed_proj_dim=64,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            init_std=0.2,
+        )
+    raise KeyError(arch)
+
+
+ARCHITECTURES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mistral-sliding",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "olmo2",
+    "granite",
+    "stablelm",
+    "phi",
+    "gpt_neox",
+    "gpt2",
+    "opt",
+]
+
+
+def make_tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import cbgen
+
+    return cbgen.load_model("smollm2")
+
+
+def random_prompts(
+    count: int, low: int, high: int, seed: int = 0, vocab: int = 256
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """``model.generate()`` on one request, no padding: the ground truth."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.generation_config.pad_token_id or 0,
+        )
+    return out[0, len(prompt) :].tolist()

