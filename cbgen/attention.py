@@ -52,8 +52,9 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [decodes] row of each decode token in the batch
     decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None = None  # [decodes]
-    decode_padding_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks*block_size]
+    decode_padding_mask: torch.Tensor | None = None  # [1, decodes, 1, max_blocks*block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    decode_only: bool = False  # every row is a decode row, in order: no gather/scatter of q
 
 
 @dataclass
@@ -105,9 +106,8 @@ def paged_attention(
         raise RuntimeError(f"cbgen packs every step into batch size 1, got {query.shape[0]}")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
 
-    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
-    k = key[0].transpose(0, 1)  # [tokens, kv_heads, dim]
-    v = value[0].transpose(0, 1)
+    # Head-major throughout, as transformers hands the tensors over: no transposes.
+    q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim], [kv_heads, tokens, dim]
 
     if isinstance(metadata, ProbeRecord):
         return _probe(metadata, module, q, k, v, scale)
@@ -115,13 +115,18 @@ def paged_attention(
     layer = metadata.layer_of_module[id(module)]
     cache = metadata.cache
     cache.write(layer, metadata.slot_mapping, k, v)
+    key_cache, value_cache = cache.keys[layer], cache.values[layer]
+
+    if metadata.decode_only:
+        out = _decode_attention(q, key_cache, value_cache, metadata, scale, sliding_window, softcap)
+        return out.transpose(0, 1).unsqueeze(0), None
 
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     if metadata.decode_rows is not None:
-        out[metadata.decode_rows] = _decode_attention(
-            q.index_select(0, metadata.decode_rows),
-            cache.keys[layer],
-            cache.values[layer],
+        out[:, metadata.decode_rows] = _decode_attention(
+            q.index_select(1, metadata.decode_rows),
+            key_cache,
+            value_cache,
             metadata,
             scale,
             sliding_window,
@@ -130,14 +135,14 @@ def paged_attention(
     for span in metadata.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.block_ids is None:
-            span_k, span_v = k[rows], v[rows]
+            span_k, span_v = k[:, rows], v[:, rows]
         else:
-            span_k = cache.keys[layer][span.block_ids].flatten(0, 1)[: span.context_len]
-            span_v = cache.values[layer][span.block_ids].flatten(0, 1)[: span.context_len]
-        out[rows] = _prefill_attention(
-            q[rows], span_k, span_v, span, scale, sliding_window, softcap
+            span_k = key_cache.index_select(1, span.block_ids).flatten(1, 2)[:, : span.context_len]
+            span_v = value_cache.index_select(1, span.block_ids).flatten(1, 2)[:, : span.context_len]
+        out[:, rows] = _prefill_attention(
+            q[:, rows], span_k, span_v, span, scale, sliding_window, softcap
         )
-    return out.unsqueeze(0), None
+    return out.transpose(0, 1).unsqueeze(0), None
 
 
 def _decode_attention(
@@ -149,26 +154,36 @@ def _decode_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """One query token per request against its gathered blocks, as a grouped matmul."""
+    """One query token per request against its gathered blocks, as a grouped matmul.
+
+    ``q`` is ``[heads, seqs, dim]``. With the cache laid out ``[kv_heads, blocks,
+    block_size, dim]``, gathering the block tables yields ``[kv_heads, seqs,
+    context, dim]`` contiguous, which the batched matmuls read directly (K
+    transposed by stride, no copy). Returns ``[heads, seqs, value_dim]``.
+    """
     assert metadata.decode_block_tables is not None and metadata.decode_padding_mask is not None
-    num_seqs, num_heads, head_dim = q.shape
-    keys = key_cache[metadata.decode_block_tables].flatten(1, 2)  # [seqs, ctx, kv_heads, dim]
-    values = value_cache[metadata.decode_block_tables].flatten(1, 2)
-    num_kv_heads = keys.shape[2]
+    num_heads, num_seqs, head_dim = q.shape
+    num_kv_heads = key_cache.shape[0]
     group = num_heads // num_kv_heads
-    q = q.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale  # [seqs, kv, group, ctx]
+    tables = metadata.decode_block_tables
+    width = tables.shape[1] * key_cache.shape[2]
+    flat_tables = tables.flatten()
+    keys = key_cache.index_select(1, flat_tables).view(num_kv_heads, num_seqs, width, -1)
+    values = value_cache.index_select(1, flat_tables).view(num_kv_heads, num_seqs, width, -1)
+    q = q.view(num_kv_heads, group, num_seqs, head_dim).transpose(1, 2)  # [kv, seqs, group, dim]
+    scores = torch.matmul(q, keys.transpose(2, 3)).float()  # [kv, seqs, group, ctx]
+    scores.mul_(scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores + metadata.decode_padding_mask
+    scores.add_(metadata.decode_padding_mask)
     if sliding_window is not None:
         assert metadata.decode_context_lens is not None
-        positions = torch.arange(scores.shape[-1], device=scores.device)
-        first_visible = (metadata.decode_context_lens - sliding_window).view(-1, 1, 1, 1)
+        positions = torch.arange(width, device=scores.device)
+        first_visible = (metadata.decode_context_lens - sliding_window).view(1, -1, 1, 1)
         scores = scores.masked_fill(positions < first_visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [seqs, kv, group, vdim]
-    return out.reshape(num_seqs, num_heads, -1)
+    out = torch.matmul(probs, values)  # [kv, seqs, group, vdim]
+    return out.transpose(1, 2).reshape(num_heads, num_seqs, -1)
 
 
 def _prefill_attention(
@@ -180,28 +195,26 @@ def _prefill_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """``q`` is ``[q_len, heads, dim]``; ``k``/``v`` are ``[context_len, kv_heads, dim]``."""
+    """``q`` is ``[heads, q_len, dim]``; ``k``/``v`` are ``[kv_heads, context_len, dim]``."""
     mask = span.mask
     if sliding_window is not None:
         q_pos = torch.arange(span.context_len - span.q_len, span.context_len, device=q.device)
         k_pos = torch.arange(span.context_len, device=q.device)
-        window = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) & (
+        mask = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) & (
             k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - sliding_window
         )
-        mask = window
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if softcap is not None:
-        return _eager_attention(qh, kh, vh, mask, scale, softcap, span).transpose(0, 1)
+        return _eager_attention(q, k, v, mask, scale, softcap, span)
     out = F.scaled_dot_product_attention(
-        qh.unsqueeze(0),
-        kh.unsqueeze(0),
-        vh.unsqueeze(0),
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
-        enable_gqa=kh.shape[0] != qh.shape[0],
+        enable_gqa=k.shape[0] != q.shape[0],
     )
-    return out[0].transpose(0, 1)
+    return out[0]
 
 
 def _eager_attention(
@@ -240,16 +253,16 @@ def _probe(
             "an attention module ran twice in one forward (shared layers); cbgen does not support it"
         )
     record.layer_of_module[id(module)] = len(record.layers)
-    record.layers.append(LayerSpec(k.shape[1], k.shape[2], v.shape[2], k.dtype))
+    record.layers.append(LayerSpec(k.shape[0], k.shape[2], v.shape[2], k.dtype))
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
         is_causal=True,
         scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
+        enable_gqa=k.shape[0] != q.shape[0],
     )
-    return out[0].transpose(0, 1).unsqueeze(0), None
+    return out.transpose(1, 2), None
 
 
 def register() -> None:

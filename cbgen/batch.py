@@ -75,6 +75,7 @@ class BatchBuilder:
         )
         if decode_rows:
             self._add_decode(metadata, decode_rows, decode_tables, decode_lens)
+        metadata.decode_only = not prefill_specs
         for row, count, context_len, cached in prefill_specs:
             metadata.prefills.append(self._prefill_span(row, count, context_len, cached))
 
@@ -103,7 +104,7 @@ class BatchBuilder:
         metadata.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
         metadata.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
         metadata.decode_context_lens = context_lens
-        metadata.decode_padding_mask = padding.view(len(rows), 1, 1, -1)
+        metadata.decode_padding_mask = padding.view(1, len(rows), 1, -1)
 
     def _prefill_span(
         self, row: int, count: int, context_len: int, cached: list[int] | None

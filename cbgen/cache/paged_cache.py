@@ -75,10 +75,12 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class PagedKVCache:
-    """K and V for every layer, each ``[num_blocks, block_size, kv_heads, dim]``.
+    """K and V for every layer, each ``[kv_heads, num_blocks, block_size, dim]``.
 
     Token ``p`` of a request lives in block ``block_ids[p // block_size]`` at
     offset ``p % block_size``; its flat slot is ``block * block_size + offset``.
+    Heads lead so that gathering a batch's block tables along dim 1 gives each
+    head's keys contiguous per sequence, ready for batched matmuls.
     """
 
     def __init__(
@@ -95,7 +97,7 @@ class PagedKVCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         for spec in layers:
-            shape = (num_blocks, block_size, spec.num_kv_heads)
+            shape = (spec.num_kv_heads, num_blocks, block_size)
             self.keys.append(_zeros((*shape, spec.key_dim), spec.dtype, device))
             self.values.append(_zeros((*shape, spec.value_dim), spec.dtype, device))
 
@@ -110,6 +112,7 @@ class PagedKVCache:
     def write(
         self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
-        """Store ``key``/``value`` (``[tokens, kv_heads, dim]``) at the given flat slots."""
-        self.keys[layer].view(-1, *key.shape[1:]).index_copy_(0, slots, key)
-        self.values[layer].view(-1, *value.shape[1:]).index_copy_(0, slots, value)
+        """Store ``key``/``value`` (``[kv_heads, tokens, dim]``) at the given flat slots."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.view(keys.shape[0], -1, keys.shape[-1]).index_copy_(1, slots, key)
+        values.view(values.shape[0], -1, values.shape[-1]).index_copy_(1, slots, value)
