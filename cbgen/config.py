@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULER_POLICIES = ("fifo", "prefill_first")
+
 
 @dataclass
 class EngineConfig:
@@ -14,6 +16,12 @@ class EngineConfig:
     the device's free memory (see ``cbgen.cache.paged_cache.default_cache_budget``).
     CPU memory for the cache is committed lazily by the OS, so a generous budget
     only costs what the running requests actually touch.
+
+    ``enable_prefix_caching`` keeps computed full blocks reusable by later requests
+    with the same prefix (turned off automatically for models with sliding-window
+    layers). ``scheduler_policy`` is ``"fifo"`` (decodes first, then prefills, in
+    arrival order) or ``"prefill_first"`` (admit new prompts before running
+    decodes when memory allows); both honour ``SamplingParams.priority``.
     """
 
     block_size: int = 16
@@ -22,6 +30,8 @@ class EngineConfig:
     max_batch_tokens: int = 512
     max_num_seqs: int = 128
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduler_policy: str = "fifo"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -36,3 +46,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.scheduler_policy not in SCHEDULER_POLICIES:
+            raise ValueError(
+                f"scheduler_policy must be one of {SCHEDULER_POLICIES}, "
+                f"got {self.scheduler_policy!r}"
+            )

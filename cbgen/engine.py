@@ -11,13 +11,14 @@ import torch
 from .batch import BatchBuilder
 from .cache.allocator import BlockAllocator
 from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
+from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .config import EngineConfig
 from .output import OutputProcessor
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, make_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,21 @@ class Engine:
                 raise ValueError(f"KV cache budget of {budget} bytes holds no block")
         self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.runner.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(
-            self.allocator, config.block_size, config.max_batch_tokens, config.max_num_seqs
+        self.prefix_caching = config.enable_prefix_caching
+        if self.prefix_caching:
+            reason = prefix_caching_unsupported_reason(model.config)
+            if reason is not None:
+                self.prefix_caching = False
+                logger.info("cbgen: prefix caching off: %s", reason)
+        self.scheduler: Scheduler = make_scheduler(
+            config.scheduler_policy,
+            self.allocator,
+            config.block_size,
+            config.max_batch_tokens,
+            config.max_num_seqs,
+            enable_prefix_caching=self.prefix_caching,
         )
+        self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions
         self.batch_builder = BatchBuilder(self.cache, self.runner.probe.layer_of_module)
         self.sampler = Sampler()
         model_limit = (
@@ -92,6 +105,11 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r}: this id is already in use")
         prompt = self._validate(request_id, prompt_token_ids, params)
+        if params.n != 1:
+            raise ValueError(
+                f"request {request_id!r}: n={params.n} samples need cbgen.generate_batch; "
+                "Engine.add_request runs one sample (add one request per sample)"
+            )
         request = Request(request_id, prompt, params, next(self._arrivals))
         if params.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine import Engine
-from .request import FinishReason, RequestOutput
+from .request import Completion, FinishReason, RequestOutput
 from .sampling import SamplingParams
 
 
@@ -31,17 +32,34 @@ def generate_batch(
     (the default) an invalid prompt or setting raises ``ValueError`` before any
     work starts, naming every bad request; without it, those requests come back
     with ``finish_reason == "error"`` and the rest run normally.
+
+    There is one ``RequestOutput`` per prompt. A prompt with ``params.n > 1`` runs
+    as ``n`` requests sharing its cached prefix blocks (sample ``i`` seeded with
+    ``seed + i`` when a seed is given); its output's ``completions`` lists all
+    ``n`` samples and its ``token_ids`` / ``finish_reason`` are the first one's.
     """
     per_prompt = _per_prompt_params(params, len(prompts_token_ids))
     outputs: list[RequestOutput | None] = [None] * len(prompts_token_ids)
+    samples: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, sample index)
+    results: dict[int, list[RequestOutput | None]] = {}
     with Engine(model, config) as engine:
         errors: list[str] = []
         for index, (prompt, request_params) in enumerate(
             zip(prompts_token_ids, per_prompt, strict=True)
         ):
+            added: list[str] = []
             try:
-                engine.add_request(prompt, request_params, request_id=str(index))
+                per_sample = _sample_params(str(index), request_params)
+                for i, sample_params in enumerate(per_sample):
+                    request_id = str(index) if len(per_sample) == 1 else f"{index}.{i}"
+                    engine.add_request(prompt, sample_params, request_id=request_id)
+                    added.append(request_id)
+                    samples[request_id] = (index, i)
+                results[index] = [None] * len(per_sample)
             except ValueError as exc:
+                for request_id in added:
+                    engine.abort(request_id)
+                    del samples[request_id]
                 errors.append(str(exc))
                 outputs[index] = RequestOutput(
                     request_id=str(index),
@@ -53,11 +71,39 @@ def generate_batch(
                 )
         if errors and raise_on_invalid:
             raise ValueError("invalid requests:\n  " + "\n  ".join(errors))
-        _run(engine, outputs, progress)
+        _run(engine, samples, results, progress)
+    for index, sample_outputs in results.items():
+        first = sample_outputs[0]
+        assert first is not None and all(o is not None for o in sample_outputs)
+        completions = [
+            Completion(o.token_ids, o.finish_reason, o.num_cached_tokens)
+            for o in sample_outputs
+            if o is not None
+        ]
+        outputs[index] = dataclasses.replace(first, request_id=str(index), completions=completions)
     return outputs  # type: ignore[return-value]
 
 
-def _run(engine: Engine, outputs: list[RequestOutput | None], progress: bool) -> None:
+def _sample_params(request_id: str, params: Any) -> list[Any]:
+    """One ``SamplingParams`` per sample of a prompt (``n`` of them, seeds ``seed + i``)."""
+    if not isinstance(params, SamplingParams) or params.n == 1:
+        return [params]  # the engine validates (and names) anything wrong
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ValueError(f"request {request_id!r}: {exc}") from None
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
+
+
+def _run(
+    engine: Engine,
+    samples: dict[str, tuple[int, int]],
+    results: dict[int, list[RequestOutput | None]],
+    progress: bool,
+) -> None:
     total = engine.num_unfinished
     bar = tqdm(total=total, desc="cbgen", unit="req", disable=not progress, dynamic_ncols=True)
     started = time.perf_counter()
@@ -67,7 +113,8 @@ def _run(engine: Engine, outputs: list[RequestOutput | None], progress: bool) ->
             for output in engine.step():
                 generated += 1
                 if output.finished:
-                    outputs[int(output.request_id)] = output
+                    index, sample = samples[output.request_id]
+                    results[index][sample] = output
                     bar.update(1)
             elapsed = time.perf_counter() - started
             bar.set_postfix(out_tok_s=f"{generated / max(elapsed, 1e-9):.1f}", refresh=False)

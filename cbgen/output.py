@@ -45,6 +45,7 @@ class OutputProcessor:
                     finished=reason is not None,
                     finish_reason=reason,
                     new_token_ids=[token],
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs, finished

@@ -35,6 +35,13 @@ class Request:
     ``token_ids`` holds the prompt followed by every generated token, so that a
     preempted request can be recomputed from it alone. ``num_computed_tokens``
     counts the leading tokens whose K/V already sit in the request's blocks.
+
+    Prefix caching state: ``block_hashes`` are the chain hashes of the full
+    blocks of ``token_ids`` hashed so far (they never change: tokens are only
+    appended); the first ``num_cached_blocks`` entries of ``block_ids`` are in
+    the prefix cache (taken from it at admission or registered once computed).
+    ``num_cached_tokens`` is how many prompt tokens the first admission took
+    from the cache instead of computing them.
     """
 
     request_id: str
@@ -48,6 +55,9 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -73,10 +83,34 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.params.priority, self.arrival_order)
+
+
+@dataclass
+class Completion:
+    """One sample of a prompt, as listed in ``RequestOutput.completions``."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int = 0
+
 
 @dataclass
 class RequestOutput:
-    """What a finished (or streaming) request reports to the caller."""
+    """What a finished (or streaming) request reports to the caller.
+
+    ``num_cached_tokens`` is how many prompt tokens were read from the prefix
+    cache rather than computed. ``completions`` is filled by ``generate_batch``:
+    one ``Completion`` per sample (``SamplingParams.n`` of them, the first being
+    the same as ``token_ids`` / ``finish_reason``); ``Engine.step`` leaves it empty.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -85,3 +119,5 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     new_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    num_cached_tokens: int = 0
+    completions: list[Completion] = field(default_factory=list)

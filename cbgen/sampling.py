@@ -17,6 +17,13 @@ class SamplingParams:
     ``top_p == 1.0`` disable those filters. ``eos_token_ids`` are stop ids on
     top of the model's own EOS ids; ``ignore_eos`` turns every stop id off so a
     request produces exactly ``max_new_tokens`` (what benchmarks want).
+
+    ``n`` asks ``generate_batch`` for that many samples of the prompt (they share
+    its cached prefix blocks; sample ``i`` is seeded with ``seed + i``); it is
+    meant with ``temperature > 0``, since greedy samples are all the same.
+    ``priority`` orders the scheduler's queue: lower values are served first,
+    ties by arrival, and under memory pressure the highest value (then the
+    newest request) is preempted first.
     """
 
     max_new_tokens: int = 128
@@ -26,6 +33,8 @@ class SamplingParams:
     seed: int | None = None
     eos_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +58,10 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an int (lower runs first), got {self.priority!r}")
         for token_id in self.eos_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"eos_token_ids must hold non-negative ints, got {token_id!r}")
@@ -62,10 +75,12 @@ class SamplingParams:
         eos_ids: tuple[int, ...] = (
             () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         )
+        n = getattr(gc, "num_return_sequences", None) or 1
         if not gc.do_sample:
-            return cls(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
+            return cls(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids, n=n)
         return cls(
             max_new_tokens=max_new_tokens,
+            n=n,
             temperature=1.0 if gc.temperature is None else float(gc.temperature),
             top_k=0 if gc.top_k is None else int(gc.top_k),
             top_p=1.0 if gc.top_p is None else float(gc.top_p),

@@ -1,11 +1,27 @@
-"""Decide, each step, which requests run and how many of their tokens."""
+"""Decide, each step, which requests run and how many of their tokens.
+
+Two policies share one base class and differ only in the order of a step's phases:
+
+* ``FifoScheduler`` (``"fifo"``): decodes, then running prefills, then new requests;
+* ``PrefillFirstScheduler`` (``"prefill_first"``): running prefills, then new requests
+  (when memory allows without starving the decodes of blocks), then decodes.
+
+Both honour ``SamplingParams.priority``: the waiting queue and each phase are ordered by
+``(priority, arrival)``, and the preemption victim is the running request with the
+highest such key (lowest priority, then newest).
+
+With prefix caching on, admission looks up the chain hashes of the request's full
+blocks (``cbgen.cache.prefix_cache``) and takes every cached block of its prefix by
+reference instead of computing it again.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import insort
 from dataclasses import dataclass, field
 
 from .cache.allocator import BlockAllocator
+from .cache.prefix_cache import BlockHash, extend_block_hashes
 from .request import FinishReason, Request, RequestStatus
 
 
@@ -40,16 +56,56 @@ class SchedulerOutput:
         return not self.chunks
 
 
-class Scheduler:
-    """First-come first-served continuous batching with chunked prefill.
+@dataclass
+class _Step:
+    """Bookkeeping of the step being planned."""
 
-    Every step spends a budget of ``max_batch_tokens``: first one token for each
-    running request that is decoding, then the remaining prompt of running
-    requests still in prefill, then new requests from the waiting queue, whose
-    prompts are cut into chunks to fit. When the cache runs out of blocks the
-    newest running request is preempted: its blocks go back and it returns to
-    the front of the queue to be recomputed later.
+    budget: int
+    scheduled: set[int] = field(default_factory=set)  # id() of requests with a chunk
+    in_flight: set[BlockHash] = field(default_factory=set)  # full blocks computed this step
+    in_flight_seen: int = 0  # chunks already folded into in_flight
+
+
+def _key(request: Request) -> tuple[int, int]:
+    return request.sort_key
+
+
+DECODE, PREFILL, ADMIT = "decode", "prefill", "admit"
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, priorities and prefix caching.
+
+    Every step spends a budget of ``max_batch_tokens`` over three phases, in the
+    order ``phases`` gives (the base class runs FIFO's order):
+
+    * ``decode``: one token for each running request whose prompt is done;
+    * ``prefill``: the rest of the prompt of running requests still in prefill;
+    * ``admit``: new requests from the waiting queue, whose prompts are cut into
+      chunks to fit. Admission stops at the first request that does not fit, so
+      the queue order is kept; it is skipped in a step that had to preempt.
+
+    When a running request needs a block and none is left, the running request
+    with the highest ``(priority, arrival)`` not yet scheduled this step (possibly
+    the one asking) is preempted: its blocks go back and it rejoins the queue, to
+    be recomputed later (from the prefix cache, if its blocks survive).
+
+    Prefix caching (``enable_prefix_caching``): once a request's block is full and
+    computed it is registered under its chain hash; at admission a request takes
+    the longest run of cached blocks of its prefix (shared and read-only), capped
+    at ``num_tokens - 1`` tokens rounded down to whole blocks, so the last token is
+    always computed (its logits are sampled) and it lands in a block of its own:
+    a shared block is never written, so no copy-on-write is needed. A request
+    whose next uncached block is being computed by another request in this very
+    step waits a step and then reuses it instead of computing it twice.
+
+    ``stats`` counts ``prefill_tokens`` (computed tokens that were not decodes),
+    ``decode_tokens``, ``cached_tokens`` (taken from the cache at admission) and
+    ``preemptions``.
     """
+
+    policy = "fifo"
+    phases: tuple[str, ...] = (DECODE, PREFILL, ADMIT)
 
     def __init__(
         self,
@@ -57,19 +113,28 @@ class Scheduler:
         block_size: int,
         max_batch_tokens: int,
         max_num_seqs: int,
+        *,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Request] = deque()
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
+        self.stats: dict[str, int] = {
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "cached_tokens": 0,
+            "preemptions": 0,
+        }
 
     # -- queue management -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        insort(self.waiting, request, key=_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,38 +157,113 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_batch_tokens
-        scheduled: set[int] = set()
+        if self.enable_prefix_caching:
+            for request in self.running:
+                self._cache_computed_blocks(request)
+        step = _Step(self.max_batch_tokens)
+        running = sorted(self.running, key=_key)
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        for phase in self.phases:
+            if phase == DECODE:
+                self._schedule_running(decoding, step, out)
+            elif phase == PREFILL:
+                self._schedule_running(prefilling, step, out)
+            elif not out.preempted:  # the cache is full: admitting more would only thrash
+                self._admit(step, out, decoding)
+        self._count(out)
+        return out
 
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decoding + prefilling:
-            if budget == 0:
+    def _schedule_running(self, requests: list[Request], step: _Step, out: SchedulerOutput) -> None:
+        for request in requests:
+            if step.budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_or_preempt(request, num_tokens, scheduled, out):
+                continue  # preempted earlier in this step
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if not self._reserve_or_preempt(request, num_tokens, step, out):
                 continue
             out.chunks.append(ScheduledChunk(request, num_tokens))
-            scheduled.add(id(request))
-            budget -= num_tokens
+            step.scheduled.add(id(request))
+            step.budget -= num_tokens
 
-        if out.preempted:
-            return out  # the cache is full: admitting more would only thrash
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit(self, step: _Step, out: SchedulerOutput, decoding: list[Request]) -> None:
+        # Blocks the decodes still to run this step will need: admission leaves them.
+        reserve = sum(
+            1
+            for r in decoding
+            if r.status is RequestStatus.RUNNING
+            and id(r) not in step.scheduled
+            and self._blocks_needed(r, 1) > 0
+        )
+        bs = self.block_size
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            needed = self._blocks_needed(request, num_tokens)
-            if needed > self.allocator.num_free:
+            hits = self._cached_prefix(request)
+            if self._next_block_in_flight(request, len(hits), step, out):
+                break  # reuse it next step rather than compute it twice
+            num_cached = len(hits) * bs
+            num_tokens = min(request.num_tokens - num_cached, step.budget)
+            needed = -(-(num_cached + num_tokens) // bs) - len(hits)
+            revived = sum(1 for block in hits if self.allocator.ref_count(block) == 0)
+            if needed + revived + reserve > self.allocator.num_free:
                 break
-            self.waiting.popleft()
-            request.block_ids.extend(self.allocator.allocate(needed))
+            self.waiting.pop(0)
+            self.allocator.share(hits)
+            request.block_ids = hits + self.allocator.allocate(needed)
+            request.num_cached_blocks = len(hits)
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            self.stats["cached_tokens"] += num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_tokens))
-            budget -= num_tokens
-        return out
+            step.scheduled.add(id(request))
+            step.budget -= num_tokens
+
+    # -- prefix caching ---------------------------------------------------------------
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks of the request's prefix, at most ``num_tokens - 1`` tokens' worth."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(
+            request.block_hashes, request.token_ids, self.block_size, limit
+        )
+        return self.allocator.lookup(hashes[:limit])
+
+    def _next_block_in_flight(
+        self, request: Request, num_hits: int, step: _Step, out: SchedulerOutput
+    ) -> bool:
+        if (
+            not self.enable_prefix_caching
+            or num_hits >= (request.num_tokens - 1) // self.block_size
+        ):
+            return False
+        next_hash = request.block_hashes[num_hits]
+        bs = self.block_size
+        while step.in_flight_seen < len(out.chunks):
+            chunk = out.chunks[step.in_flight_seen]
+            step.in_flight_seen += 1
+            other = chunk.request
+            first = chunk.start // bs
+            last = min(-(-(chunk.start + chunk.num_tokens) // bs), other.num_tokens // bs)
+            if last > first:
+                hashes = extend_block_hashes(other.block_hashes, other.token_ids, bs, last)
+                step.in_flight.update(hashes[first:last])
+        return next_hash in step.in_flight
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_cached_blocks:
+            return
+        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, full)
+        for index in range(request.num_cached_blocks, full):
+            self.allocator.cache_block(request.block_ids[index], hashes[index])
+        request.num_cached_blocks = full
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -132,27 +272,22 @@ class Scheduler:
         return max(0, -(-total // self.block_size) - len(request.block_ids))
 
     def _reserve_or_preempt(
-        self, request: Request, num_tokens: int, scheduled: set[int], out: SchedulerOutput
+        self, request: Request, num_tokens: int, step: _Step, out: SchedulerOutput
     ) -> bool:
-        """Give ``request`` the blocks it needs, preempting newer requests if needed.
+        """Give ``request`` the blocks it needs, preempting lower-ranked requests if needed.
 
         Returns False when ``request`` itself had to be preempted.
         """
         needed = self._blocks_needed(request, num_tokens)
         while needed > self.allocator.num_free:
-            victim = self._newest_unscheduled(exclude=request, scheduled=scheduled)
-            if victim is None:
-                self._preempt(request, out)
-                return False
+            victim = max(
+                (r for r in self.running if id(r) not in step.scheduled), key=_key
+            )  # ``request`` is a candidate itself, so this is never empty
             self._preempt(victim, out)
+            if victim is request:
+                return False
         request.block_ids.extend(self.allocator.allocate(needed))
         return True
-
-    def _newest_unscheduled(self, exclude: Request, scheduled: set[int]) -> Request | None:
-        for candidate in reversed(self.running):
-            if candidate is not exclude and id(candidate) not in scheduled:
-                return candidate
-        return None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -160,10 +295,72 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        insort(self.waiting, request, key=_key)
         out.preempted.append(request)
+        self.stats["preemptions"] += 1
 
     def _release(self, request: Request) -> None:
+        if self.enable_prefix_caching and request.block_ids:
+            self._cache_computed_blocks(request)
         if request.block_ids:
-            self.allocator.free(request.block_ids)
+            # Last block first: the tail of a prefix is evicted before its head.
+            self.allocator.free(reversed(request.block_ids))
             request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def _count(self, out: SchedulerOutput) -> None:
+        for chunk in out.chunks:
+            request = chunk.request
+            if chunk.start == request.num_tokens - 1 and request.num_output_tokens > 0:
+                self.stats["decode_tokens"] += 1
+            else:
+                self.stats["prefill_tokens"] += chunk.num_tokens
+
+
+class FifoScheduler(Scheduler):
+    """Running decodes first, then running prefills, then admissions in queue order."""
+
+    policy = "fifo"
+    phases = (DECODE, PREFILL, ADMIT)
+
+
+class PrefillFirstScheduler(Scheduler):
+    """Prefills (running, then newly admitted) before decodes, to fill batches faster.
+
+    New requests are admitted only while the blocks the decodes of this step need
+    stay free, so admission never forces a decode out; decodes take the budget left.
+    """
+
+    policy = "prefill_first"
+    phases = (PREFILL, ADMIT, DECODE)
+
+
+POLICIES: dict[str, type[Scheduler]] = {
+    FifoScheduler.policy: FifoScheduler,
+    PrefillFirstScheduler.policy: PrefillFirstScheduler,
+}
+
+
+def make_scheduler(
+    policy: str,
+    allocator: BlockAllocator,
+    block_size: int,
+    max_batch_tokens: int,
+    max_num_seqs: int,
+    *,
+    enable_prefix_caching: bool = True,
+) -> Scheduler:
+    """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``)."""
+    try:
+        cls = POLICIES[policy]
+    except KeyError:
+        raise ValueError(
+            f"unknown scheduler policy {policy!r}; use one of {sorted(POLICIES)}"
+        ) from None
+    return cls(
+        allocator,
+        block_size,
+        max_batch_tokens,
+        max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+    )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbgen.cache.allocator import BlockAllocator, OutOfBlocksError
+from cbgen.cache.prefix_cache import hash_blocks
 
 
 def test_allocate_and_free_round_trip():
@@ -50,3 +53,113 @@ def test_random_operations_never_leak_or_share(ops, num_blocks):
     for blocks in owned:
         allocator.free(blocks)
     assert allocator.num_free == num_blocks
+
+
+# -- prefix caching: sharing, LRU eviction --------------------------------------------
+
+
+def _cache_all(allocator: BlockAllocator, blocks: list[int], tokens: list[int], bs: int) -> None:
+    for block, block_hash in zip(blocks, hash_blocks(tokens, bs), strict=False):
+        allocator.cache_block(block, block_hash)
+
+
+def test_freed_cached_blocks_stay_reusable_until_memory_is_needed():
+    allocator = BlockAllocator(6)
+    tokens = [5, 6, 7, 8, 9, 10]
+    blocks = allocator.allocate(3)
+    _cache_all(allocator, blocks, tokens, 2)
+    allocator.free(reversed(blocks))
+    assert allocator.num_free == 6 and allocator.num_evictable == 3
+    # The same prefix finds all three; a diverging second block stops the match.
+    assert allocator.lookup(hash_blocks(tokens, 2)) == blocks
+    assert allocator.lookup(hash_blocks([5, 6, 0, 0], 2)) == blocks[:1]
+    allocator.share(blocks[:2])
+    assert allocator.ref_count(blocks[0]) == 1 and allocator.num_evictable == 1
+    # Truly free blocks go first: three are left, no eviction yet.
+    fresh = allocator.allocate(3)
+    assert not set(fresh) & set(blocks) and allocator.num_evictions == 0
+    assert allocator.lookup(hash_blocks(tokens, 2)) == blocks
+    # Now only the evictable third block is left: taking it drops its hash.
+    (evicted,) = allocator.allocate(1)
+    assert evicted == blocks[2] and allocator.num_evictions == 1
+    assert allocator.block_hash(evicted) is None
+    assert allocator.lookup(hash_blocks(tokens, 2)) == blocks[:2]
+    allocator.check_invariants()
+
+
+def test_eviction_takes_the_least_recently_freed_block_first():
+    allocator = BlockAllocator(4)
+    first, second = allocator.allocate(2), allocator.allocate(2)
+    _cache_all(allocator, first, [1, 1, 1, 1], 2)
+    _cache_all(allocator, second, [2, 2, 2, 2], 2)
+    allocator.free(reversed(first))  # tail of a prefix before its head
+    allocator.free(reversed(second))
+    assert allocator.allocate(1) == [first[1]]
+    assert allocator.allocate(1) == [first[0]]
+    assert allocator.allocate(1) == [second[1]]
+    with pytest.raises(RuntimeError, match="not in the prefix cache"):
+        allocator.share([first[0]])
+
+
+def test_duplicate_hash_is_not_registered_twice():
+    allocator = BlockAllocator(4)
+    a, b = allocator.allocate(1), allocator.allocate(1)
+    (h,) = hash_blocks([3, 3], 2)
+    assert allocator.cache_block(a[0], h) and not allocator.cache_block(b[0], h)
+    allocator.free(a + b)
+    assert allocator.num_evictable == 1 and allocator.lookup([h]) == a
+    with pytest.raises(RuntimeError, match="not allocated"):
+        allocator.cache_block(a[0], h)
+    allocator.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.booleans(), st.lists(st.sampled_from([3, 4]), min_size=1, max_size=9)),
+        max_size=40,
+    ),
+    num_blocks=st.integers(1, 12),
+    block_size=st.sampled_from([1, 2, 3]),
+)
+def test_random_sharing_keeps_counts_exact_and_never_leaks(ops, num_blocks, block_size):
+    """Requests with prefixes over a two-token alphabet share, free and evict at random."""
+    bs = block_size
+    allocator = BlockAllocator(num_blocks)
+    owners: list[tuple[list[int], list[int]]] = []  # (tokens, blocks) of live requests
+    content: dict[int, tuple[int, ...]] = {}  # cached block -> the whole prefix it ends
+    for start, tokens in ops:
+        if start or not owners:
+            hashes = hash_blocks(tokens, bs)
+            limit = (len(tokens) - 1) // bs
+            hits = allocator.lookup(hashes[:limit])
+            for i, block in enumerate(hits):  # a hit is always the same prefix
+                assert content[block] == tuple(tokens[: (i + 1) * bs])
+            needed = -(-len(tokens) // bs) - len(hits)
+            revived = sum(allocator.ref_count(b) == 0 for b in hits)
+            if needed + revived > allocator.num_free:
+                continue
+            held = {b for _, blocks in owners for b in blocks}
+            allocator.share(hits)
+            fresh = allocator.allocate(needed)
+            assert not set(fresh) & held, "a block in use was handed out again"
+            for block in fresh:
+                content.pop(block, None)
+            blocks = hits + fresh
+            for i in range(len(hits), len(tokens) // bs):  # computed: register
+                if allocator.cache_block(blocks[i], hashes[i]):
+                    content[blocks[i]] = tuple(tokens[: (i + 1) * bs])
+            owners.append((tokens, blocks))
+        else:
+            _, blocks = owners.pop(len(tokens) % len(owners))
+            allocator.free(reversed(blocks))
+        allocator.check_invariants()
+        holders = Counter(b for _, blocks in owners for b in blocks)
+        for block, count in holders.items():
+            assert allocator.ref_count(block) == count
+        assert allocator.num_free + len(holders) == num_blocks
+    for _, blocks in owners:
+        allocator.free(reversed(blocks))
+    allocator.check_invariants()
+    assert allocator.num_free == num_blocks == len(allocator._free) + allocator.num_evictable
+    assert all(allocator.ref_count(b) == 0 for b in range(num_blocks))

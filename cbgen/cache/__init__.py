@@ -1,6 +1,14 @@
-"""The paged KV cache: block bookkeeping and the per-layer tensors."""
+"""The paged KV cache: block bookkeeping, prefix-cache hashing and the per-layer tensors."""
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .paged_cache import PagedKVCache
+from .prefix_cache import hash_block, hash_blocks, prefix_caching_unsupported_reason
 
-__all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache"]
+__all__ = [
+    "BlockAllocator",
+    "OutOfBlocksError",
+    "PagedKVCache",
+    "hash_block",
+    "hash_blocks",
+    "prefix_caching_unsupported_reason",
+]
