@@ -4,6 +4,7 @@ from .config import EngineConfig
 from .engine import Engine
 from .generate import generate_batch
 from .models import load_model
+from .online import OnlineEngine
 from .request import FinishReason, RequestOutput
 from .sampling import SamplingParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "FinishReason",
+    "OnlineEngine",
     "RequestOutput",
     "SamplingParams",
     "generate_batch",

@@ -55,6 +55,7 @@ class AttentionMetadata:
     decode_padding_mask: torch.Tensor | None = None  # [1, decodes, 1, max_blocks*block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_only: bool = False  # every row is a decode row, in order: no gather/scatter of q
+    decode_kernel: Any = None  # the native paged decode kernel module, when built
 
 
 @dataclass
@@ -117,12 +118,37 @@ def paged_attention(
     cache.write(layer, metadata.slot_mapping, k, v)
     key_cache, value_cache = cache.keys[layer], cache.values[layer]
 
+    kernel = metadata.decode_kernel
+    if metadata.decode_only and kernel is not None:
+        out = kernel.paged_decode_attention(
+            q.transpose(0, 1).contiguous(),
+            key_cache,
+            value_cache,
+            metadata.decode_block_tables,
+            metadata.decode_context_lens,
+            scale,
+            sliding_window or 0,
+            softcap or 0.0,
+        )
+        return out.unsqueeze(0), None
     if metadata.decode_only:
         out = _decode_attention(q, key_cache, value_cache, metadata, scale, sliding_window, softcap)
         return out.transpose(0, 1).unsqueeze(0), None
 
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    if metadata.decode_rows is not None:
+    if metadata.decode_rows is not None and kernel is not None:
+        decoded = kernel.paged_decode_attention(
+            q.index_select(1, metadata.decode_rows).transpose(0, 1).contiguous(),
+            key_cache,
+            value_cache,
+            metadata.decode_block_tables,
+            metadata.decode_context_lens,
+            scale,
+            sliding_window or 0,
+            softcap or 0.0,
+        )
+        out[:, metadata.decode_rows] = decoded.transpose(0, 1)
+    elif metadata.decode_rows is not None:
         out[:, metadata.decode_rows] = _decode_attention(
             q.index_select(1, metadata.decode_rows),
             key_cache,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,9 +30,12 @@ class BatchBuilder:
     device once.
     """
 
-    def __init__(self, cache: PagedKVCache, layer_of_module: dict[int, int]) -> None:
+    def __init__(
+        self, cache: PagedKVCache, layer_of_module: dict[int, int], decode_kernel: Any = None
+    ) -> None:
         self.cache = cache
         self.layer_of_module = layer_of_module
+        self.decode_kernel = decode_kernel
         self.block_size = cache.block_size
         self.device = cache.device
 
@@ -72,6 +76,7 @@ class BatchBuilder:
             cache=self.cache,
             layer_of_module=self.layer_of_module,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            decode_kernel=self.decode_kernel,
         )
         if decode_rows:
             self._add_decode(metadata, decode_rows, decode_tables, decode_lens)
@@ -98,12 +103,14 @@ class BatchBuilder:
         padded = [t + [0] * (width - len(t)) for t in tables]
         device = self.device
         context_lens = torch.tensor(lens, dtype=torch.long, device=device)
-        key_positions = torch.arange(width * self.block_size, device=device)
-        padding = torch.zeros(len(rows), width * self.block_size, device=device)
-        padding.masked_fill_(key_positions.unsqueeze(0) >= context_lens.unsqueeze(1), float("-inf"))
         metadata.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
         metadata.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
         metadata.decode_context_lens = context_lens
+        if self.decode_kernel is not None:
+            return  # the kernel stops at each context length: no padding mask needed
+        key_positions = torch.arange(width * self.block_size, device=device)
+        padding = torch.zeros(len(rows), width * self.block_size, device=device)
+        padding.masked_fill_(key_positions.unsqueeze(0) >= context_lens.unsqueeze(1), float("-inf"))
         metadata.decode_padding_mask = padding.view(1, len(rows), 1, -1)
 
     def _prefill_span(

@@ -32,6 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fifo"
+    # Paged decode attention in C++ (built on first use; falls back to torch if it can't be).
+    use_native_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

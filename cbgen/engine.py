@@ -13,6 +13,7 @@ from .cache.allocator import BlockAllocator
 from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
 from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .config import EngineConfig
+from .kernels import decode_kernel
 from .output import OutputProcessor
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
@@ -71,7 +72,9 @@ class Engine:
             enable_prefix_caching=self.prefix_caching,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions
-        self.batch_builder = BatchBuilder(self.cache, self.runner.probe.layer_of_module)
+        self.batch_builder = BatchBuilder(
+            self.cache, self.runner.probe.layer_of_module, self._decode_kernel(config)
+        )
         self.sampler = Sampler()
         model_limit = (
             config.max_model_len or _model_context_limit(model) or self.cache.capacity_tokens
@@ -90,6 +93,11 @@ class Engine:
             per_token,
             self.max_model_len,
         )
+
+    def _decode_kernel(self, config: EngineConfig) -> object | None:
+        if not config.use_native_kernels or self.runner.device.type != "cpu":
+            return None
+        return decode_kernel()
 
     # -- requests -----------------------------------------------------------------------
 

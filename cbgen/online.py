@@ -1,0 +1,819 @@
+"""The online engine: a background step loop, thread-safe and asyncio-friendly.
+
+``OnlineEngine`` wraps the synchronous core (``cbgen.engine.Engine``) for servers
+and interactive use: requests arrive from any thread (or coroutine) at any time,
+their tokens stream back as ``OnlineRequestOutput`` deltas with incremental text,
+and finished results can be collected by id or in completion order.
+
+Design:
+
+* One background thread owns the core; nothing else touches it. Public methods
+  talk to it through a ``queue.SimpleQueue`` of commands (add, abort, close) that
+  the loop drains between steps; when there is no work the loop blocks on that
+  queue (no busy-wait). ``SimpleQueue.put`` is reentrant, so even a finalizer of an
+  abandoned stream can post a cancel.
+* Every step's deltas are published under one lock: each request delivers to at
+  most one stream (a ``SimpleQueue``, or an ``asyncio.Queue`` fed by one
+  ``call_soon_threadsafe`` per event loop per step) and to the threads or tasks
+  waiting on that request; an unclaimed finished request goes to a bounded
+  completion store (oldest dropped first) and wakes one ``get_result()`` waiter.
+  Nothing scans the requests or polls; a finished request costs O(1).
+* Text: with a tokenizer, every request gets an ``IncrementalDetokenizer`` and,
+  when asked, a ``StopStringMatcher``; a matched stop string truncates the text,
+  finishes the request with ``"stop"`` and aborts it in the core (blocks freed).
+* Failures: an exception from ``core.step()`` finishes the requests that were in
+  it (the running ones) with ``"error"`` and the message, aborts them in the core,
+  and the loop goes on. ``close()`` (or leaving the ``with`` block) aborts what is
+  left, wakes every waiter with an ``"aborted"`` output, joins the loop and gives
+  the model its attention implementation back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decoder
+from .engine import Engine as EngineCore
+from .request import FinishReason, RequestOutput, RequestStatus
+from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ADD, _ABORT, _ABANDON, _BARRIER, _CLOSE = range(5)
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is closed (or its loop died): it takes no new requests and has no result."""
+
+
+@dataclass
+class OnlineRequestOutput(RequestOutput):
+    """A ``RequestOutput`` with text.
+
+    As a stream delta, ``new_token_ids`` / ``new_text`` are what this delta adds,
+    ``token_ids`` / ``text`` everything so far. The last delta of a request (and
+    what ``get_result`` returns) has ``finished=True``. ``text`` and ``new_text``
+    are ``None`` when the engine has no tokenizer. With a stop string, ``text``
+    ends right before it while ``token_ids`` keep every generated token.
+    """
+
+    text: str | None = None
+    new_text: str | None = None
+
+
+class _Request:
+    """One request's state. Loop-only fields are touched by the loop thread alone;
+    shared fields (``token_ids``, ``text``, ``final``, consumers) only under the lock."""
+
+    __slots__ = (
+        "request_id",
+        "prompt",
+        "params",
+        "detok",
+        "stops",
+        "token_ids",
+        "text",
+        "final",
+        "sink",
+        "async_sink",
+        "waiters",
+    )
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.detok: IncrementalDetokenizer | None = None  # loop only
+        self.stops: StopStringMatcher | None = None  # loop only
+        self.token_ids: list[int] = []
+        self.text: str | None = None
+        self.final: OnlineRequestOutput | None = None
+        self.sink: queue.SimpleQueue | None = None  # a sync stream
+        self.async_sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self.waiters: list[_Waiter] = []  # get_result(request_id) callers
+
+    @property
+    def streamed(self) -> bool:
+        return self.sink is not None or self.async_sink is not None
+
+
+class _Waiter:
+    __slots__ = ("woken",)
+
+    def __init__(self) -> None:
+        self.woken = False
+
+    def wake(self) -> bool:
+        raise NotImplementedError
+
+
+class _ThreadWaiter(_Waiter):
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+
+    def wake(self) -> bool:
+        self.woken = True
+        self.event.set()
+        return True
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _AsyncWaiter(_Waiter):
+    __slots__ = ("loop", "future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+
+    def wake(self) -> bool:
+        self.woken = True
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future)
+        except RuntimeError:  # its event loop is closed: nobody is listening
+            return False
+        return True
+
+
+def _deliver(items: list[tuple[asyncio.Queue, OnlineRequestOutput]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
+
+
+class OnlineEngine:
+    """Continuous batching behind a background thread; every public method is thread-safe.
+
+    ``tokenizer`` is optional: it is needed for text (``new_text``/``text``), stop
+    strings and string prompts. ``max_retained_results`` bounds how many finished,
+    never-collected results are kept for ``get_result`` (the oldest are dropped);
+    streamed requests are never retained. Use it as a context manager, or call
+    ``start()`` / ``close()``; ``add_request`` starts the loop if needed.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        *,
+        max_retained_results: int = 4096,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        if max_retained_results < 0:
+            raise ValueError(f"max_retained_results must be >= 0, got {max_retained_results}")
+        self.core = EngineCore(model, config)
+        self.tokenizer = tokenizer
+        self.max_retained_results = max_retained_results
+        self.num_dropped_results = 0
+        self._decode = (
+            make_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        )
+        self._lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._registry: dict[str, _Request] = {}  # added, not yet collected or dropped
+        self._store: OrderedDict[str, OnlineRequestOutput] = OrderedDict()  # unclaimed results
+        self._any_waiters: OrderedDict[_Waiter, None] = OrderedDict()  # get_result() callers
+        self._active: dict[str, _Request] = {}  # loop only: requests inside the core
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False  # no new requests
+        self._stopped = False  # the loop has ended; every request is settled
+        self._loop_error: BaseException | None = None
+        self._core_closed = False
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def start(self) -> OnlineEngine:
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            self._start_locked()
+        return self
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cbgen-online", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Abort unfinished requests, wake every waiter, stop the loop, restore the model."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._start_locked()  # a loop that never ran still settles queued requests
+                self._commands.put((_CLOSE, None))
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        if not self._core_closed and (thread is None or not thread.is_alive()):
+            self._core_closed = True
+            self.core.close()
+
+    def __enter__(self) -> OnlineEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and not self._stopped
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        stop: Sequence[str] | str | None = None,
+    ) -> str:
+        """Queue a request and return its id; an invalid one raises ``ValueError`` here.
+
+        ``prompt`` is token ids (or a string, encoded with the tokenizer). ``stop``
+        lists stop strings, matched on the decoded text (needs a tokenizer).
+        """
+        params = params if params is not None else SamplingParams()
+        auto_id = request_id is None
+        rid = f"req-{next(self._ids)}" if auto_id else request_id
+        if not isinstance(rid, str):
+            raise ValueError(f"request id must be a string, got {rid!r}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer")
+            prompt = self.tokenizer.encode(prompt)
+        stops = self._stop_matcher(rid, stop)
+        prompt_ids = self._validate(rid, prompt, params)
+        request = _Request(rid, prompt_ids, params)
+        if self._decode is not None:
+            request.detok = IncrementalDetokenizer(None, prompt_ids, decode=self._decode)
+            request.text = ""
+        request.stops = stops
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError(self._closed_reason())
+            while rid in self._registry:
+                if not auto_id:
+                    raise ValueError(f"request {rid!r}: this id is already in use")
+                rid = request.request_id = f"req-{next(self._ids)}"
+            self._registry[rid] = request
+            self._commands.put((_ADD, request))
+            self._start_locked()
+        return rid
+
+    def _stop_matcher(self, rid: str, stop: Sequence[str] | str | None) -> StopStringMatcher | None:
+        if stop is None:
+            return None
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if not stops:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"request {rid!r}: stop strings need a tokenizer")
+        try:
+            return StopStringMatcher(stops)
+        except ValueError as exc:
+            raise ValueError(f"request {rid!r}: {exc}") from None
+
+    def _validate(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        # The core's own rules; they read only immutable settings, so any thread may run them.
+        prompt_ids = self.core._validate(rid, prompt, params)
+        if params.n != 1:
+            raise ValueError(
+                f"request {rid!r}: n={params.n} samples are not supported online; "
+                "add one request per sample"
+            )
+        return prompt_ids
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request; its blocks come back before the next step.
+
+        Returns False when the request is unknown or already finished. Its
+        consumers get a final output with ``finish_reason == "aborted"``.
+        """
+        with self._lock:
+            request = self._registry.get(request_id)
+            if request is None or request.final is not None or self._stopped:
+                return False
+            self._commands.put((_ABORT, request_id))
+        return True
+
+    abort = cancel
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Return once the loop has applied every add and cancel issued before this call.
+
+        Cancelled and abandoned requests have given their blocks back by then.
+        """
+        done = threading.Event()
+        with self._lock:
+            if self._stopped:
+                return
+            self._start_locked()
+            self._commands.put((_BARRIER, done))
+        if not done.wait(timeout):
+            raise TimeoutError("the engine loop did not catch up in time")
+
+    # -- results ------------------------------------------------------------------------
+
+    def get_result(
+        self, request_id: str | None = None, timeout: float | None = None
+    ) -> OnlineRequestOutput:
+        """The final output of ``request_id``, or of the next request to finish.
+
+        Without ``request_id`` it returns finished requests that nobody streams or
+        waits for by id, oldest first. Raises ``TimeoutError`` after ``timeout``
+        seconds, ``KeyError`` for an unknown (or already collected, or streamed)
+        id, and ``EngineClosedError`` when the engine has stopped and nothing is left.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if request_id is not None:
+            return self._get_one(request_id, deadline)
+        waiter: _ThreadWaiter | None = None
+        while True:
+            with self._lock:
+                if waiter is not None and not waiter.woken:
+                    self._any_waiters.pop(waiter, None)
+                if self._store:
+                    return self._pop_oldest()
+                if self._stopped:
+                    raise EngineClosedError(self._closed_reason())
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError("no request finished in time")
+                waiter = _ThreadWaiter()
+                self._any_waiters[waiter] = None
+            waiter.event.wait(remaining)
+
+    def _get_one(self, request_id: str, deadline: float | None) -> OnlineRequestOutput:
+        with self._lock:
+            request = self._lookup(request_id)
+            if request.final is not None:
+                return self._collect(request)
+            waiter = _ThreadWaiter()
+            request.waiters.append(waiter)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        waiter.event.wait(remaining)
+        with self._lock:
+            if request.final is not None:
+                return self._collect(request)
+            request.waiters.remove(waiter)
+        raise TimeoutError(f"request {request_id!r} did not finish in time")
+
+    async def get_result_async(
+        self, request_id: str | None = None, timeout: float | None = None
+    ) -> OnlineRequestOutput:
+        """``get_result`` for coroutines: waits on an asyncio future, never blocks the loop."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        if request_id is not None:
+            with self._lock:
+                request = self._lookup(request_id)
+                if request.final is not None:
+                    return self._collect(request)
+                waiter = _AsyncWaiter(loop)
+                request.waiters.append(waiter)
+            try:
+                await _wait(waiter.future, deadline, loop)
+            except TimeoutError:
+                pass
+            except BaseException:
+                with self._lock:
+                    if request.final is None:
+                        request.waiters.remove(waiter)
+                raise
+            with self._lock:
+                if request.final is not None:
+                    return self._collect(request)
+                request.waiters.remove(waiter)
+            raise TimeoutError(f"request {request_id!r} did not finish in time")
+        any_waiter: _AsyncWaiter | None = None
+        while True:
+            with self._lock:
+                if any_waiter is not None and not any_waiter.woken:
+                    self._any_waiters.pop(any_waiter, None)
+                if self._store:
+                    return self._pop_oldest()
+                if self._stopped:
+                    raise EngineClosedError(self._closed_reason())
+                if deadline is not None and deadline <= loop.time():
+                    raise TimeoutError("no request finished in time")
+                any_waiter = _AsyncWaiter(loop)
+                self._any_waiters[any_waiter] = None
+            try:
+                await _wait(any_waiter.future, deadline, loop)
+            except TimeoutError:
+                continue
+            except BaseException:
+                with self._lock:
+                    if not any_waiter.woken:
+                        self._any_waiters.pop(any_waiter, None)
+                    elif self._store:
+                        self._wake_any_locked()  # pass on the wake this task will not use
+                raise
+
+    def stream(self, request_id: str) -> RequestStream:
+        """Iterate over the request's deltas; the last one has ``finished=True``.
+
+        Deltas produced before this call come first, folded into one. Abandoning
+        the iterator before the end (``close()``, ``break`` and dropping it, or
+        garbage collection) cancels the request.
+        """
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            request = self._lookup(request_id)
+            catch_up = self._attach_locked(request)
+            if request.final is None:
+                request.sink = sink
+        if catch_up is not None:
+            sink.put(catch_up)
+        return RequestStream(self, request_id, sink)
+
+    def stream_async(self, request_id: str) -> AsyncRequestStream:
+        """``stream`` for coroutines: ``async for delta in engine.stream_async(rid)``."""
+        loop = asyncio.get_running_loop()
+        aqueue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            request = self._lookup(request_id)
+            catch_up = self._attach_locked(request)
+            if request.final is None:
+                request.async_sink = (loop, aqueue)
+        if catch_up is not None:
+            aqueue.put_nowait(catch_up)
+        return AsyncRequestStream(self, request_id, aqueue)
+
+    def _attach_locked(self, request: _Request) -> OnlineRequestOutput | None:
+        """Check a stream may attach; return the delta covering what it missed, if any."""
+        if request.streamed:
+            raise ValueError(f"request {request.request_id!r} is already being streamed")
+        final = request.final
+        if final is not None:  # finished, unclaimed: the stream gets it all at once
+            self._collect(request)
+            return dataclasses.replace(
+                final, new_token_ids=list(final.token_ids), new_text=final.text
+            )
+        if not request.token_ids and not request.text:
+            return None
+        return OnlineRequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt,
+            token_ids=list(request.token_ids),
+            finished=False,
+            new_token_ids=list(request.token_ids),
+            text=request.text,
+            new_text=request.text,
+        )
+
+    def _lookup(self, request_id: str) -> _Request:
+        request = self._registry.get(request_id)
+        if request is None:
+            raise KeyError(
+                f"unknown request {request_id!r}: never added, already collected, streamed, "
+                "or dropped from the bounded result store"
+            )
+        return request
+
+    def _collect(self, request: _Request) -> OnlineRequestOutput:
+        self._store.pop(request.request_id, None)
+        self._registry.pop(request.request_id, None)
+        assert request.final is not None
+        return request.final
+
+    def _pop_oldest(self) -> OnlineRequestOutput:
+        request_id, output = self._store.popitem(last=False)
+        self._registry.pop(request_id, None)
+        return output
+
+    def _wake_any_locked(self) -> None:
+        while self._any_waiters:
+            waiter, _ = self._any_waiters.popitem(last=False)
+            if waiter.wake():
+                return
+
+    def _closed_reason(self) -> str:
+        if self._loop_error is not None:
+            return f"the engine loop died: {self._loop_error!r}"
+        return "the engine is closed"
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests added and not yet finished (approximate while the loop runs)."""
+        with self._lock:
+            return len(self._registry) - len(self._store)
+
+    # -- the loop thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        commands = self._commands
+        closing = False
+        try:
+            while not closing:
+                if not self._active:  # nothing to step: sleep until a command arrives
+                    closing = self._apply(commands.get())
+                while not closing:
+                    try:
+                        command = commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    closing = self._apply(command)
+                if not closing and self._active:
+                    self._step()
+        except BaseException as exc:  # a bug in this layer: fail everything, stay closable
+            logger.exception("cbgen online engine loop died")
+            self._loop_error = exc
+            with self._lock:
+                self._closed = True
+            self._shutdown(FinishReason.ERROR, f"engine loop died: {exc!r}")
+            return
+        self._shutdown(FinishReason.ABORTED, None)
+
+    def _apply(self, command: tuple[int, Any]) -> bool:
+        kind, arg = command
+        if kind == _ADD:
+            request: _Request = arg
+            try:
+                self.core.add_request(request.prompt, request.params, request.request_id)
+            except Exception as exc:  # the core has a rule the caller's check did not
+                self._publish([self._final(request, FinishReason.ERROR, str(exc))])
+                return False
+            self._active[request.request_id] = request
+        elif kind == _ABORT or kind == _ABANDON:
+            request = self._active.pop(arg, None)
+            if request is not None:
+                self.core.abort(arg)
+                self._publish([self._final(request, FinishReason.ABORTED, None)])
+        elif kind == _BARRIER:
+            arg.set()
+        elif kind == _CLOSE:
+            return True
+        return False
+
+    def _step(self) -> None:
+        core = self.core
+        try:
+            outputs = core.step()
+        except Exception as exc:
+            self._fail_step(exc)
+            return
+        deltas = []
+        active = self._active
+        for out in outputs:
+            request = active.get(out.request_id)
+            if request is None:
+                continue
+            try:
+                deltas.append(self._delta(request, out))
+            except Exception as exc:  # e.g. the tokenizer choked on this request's ids
+                logger.exception("cbgen: request %r failed after the step", out.request_id)
+                active.pop(out.request_id, None)
+                core.abort(out.request_id)
+                deltas.append(self._final(request, FinishReason.ERROR, f"{exc!r}"))
+        if deltas:
+            self._publish(deltas)
+
+    def _delta(self, request: _Request, out: RequestOutput) -> OnlineRequestOutput:
+        finished = out.finished
+        reason = out.finish_reason
+        new_text = text = None
+        if request.detok is not None:
+            new_text = request.detok.push(out.new_token_ids)
+            if finished:
+                new_text += request.detok.flush()
+            if request.stops is not None:
+                new_text, matched = request.stops.feed(new_text, final=finished)
+                if matched:
+                    if not finished:
+                        self.core.abort(request.request_id)
+                    finished, reason = True, FinishReason.STOP
+            text = request.text + new_text  # request.text changes only on this thread
+        if finished:
+            del self._active[request.request_id]
+        return OnlineRequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=out.prompt_token_ids,
+            token_ids=out.token_ids,
+            finished=finished,
+            finish_reason=reason,
+            new_token_ids=out.new_token_ids,
+            error=out.error,
+            num_cached_tokens=out.num_cached_tokens,
+            text=text,
+            new_text=new_text,
+        )
+
+    def _final(
+        self, request: _Request, reason: FinishReason, error: str | None
+    ) -> OnlineRequestOutput:
+        """A closing delta for a request that ends without a new token."""
+        new_text = None
+        if request.detok is not None:
+            new_text = request.detok.flush()
+            if request.stops is not None:
+                new_text, _ = request.stops.feed(new_text, final=True)
+        return OnlineRequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt,
+            token_ids=list(request.token_ids),
+            finished=True,
+            finish_reason=reason,
+            new_token_ids=[],
+            error=error,
+            text=None if new_text is None else (request.text or "") + new_text,
+            new_text=new_text,
+        )
+
+    def _fail_step(self, exc: Exception) -> None:
+        """``core.step()`` raised: finish the requests that were in the step with ``error``."""
+        logger.exception("cbgen: a step failed; its requests finish with 'error'")
+        message = f"{type(exc).__name__}: {exc}"
+        core = self.core
+        failed = [
+            r
+            for rid, r in self._active.items()
+            if core.request_status(rid) in (RequestStatus.RUNNING, None)
+        ]
+        if not failed:  # the failure happened before anything ran: fail the lot, to make progress
+            failed = list(self._active.values())
+        deltas = []
+        for request in failed:
+            del self._active[request.request_id]
+            core.abort(request.request_id)
+            deltas.append(self._final(request, FinishReason.ERROR, message))
+        self._publish(deltas)
+
+    def _publish(self, deltas: list[OnlineRequestOutput]) -> None:
+        """Hand a step's deltas to their consumers (one lock, one wake-up per event loop)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            registry = self._registry
+            for delta in deltas:
+                request = registry.get(delta.request_id)
+                if request is None or request.final is not None:
+                    continue
+                request.token_ids = delta.token_ids
+                request.text = delta.text
+                if request.sink is not None:
+                    request.sink.put(delta)
+                elif request.async_sink is not None:
+                    loop, aqueue = request.async_sink
+                    batch = batches.get(loop)
+                    if batch is None:
+                        batch = batches[loop] = []
+                    batch.append((aqueue, delta))
+                if delta.finished:
+                    self._settle_locked(request, delta)
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the consumer's event loop is gone: stop its requests
+                for _, delta in items:
+                    if not delta.finished:
+                        self._commands.put((_ABANDON, delta.request_id))
+
+    def _settle_locked(self, request: _Request, final: OnlineRequestOutput) -> None:
+        request.final = final
+        streamed = request.streamed
+        request.sink = request.async_sink = None
+        waiters = request.waiters
+        if waiters or streamed:  # claimed: its consumers have it, nothing is retained
+            self._registry.pop(request.request_id, None)
+            request.waiters = []
+            for waiter in waiters:
+                waiter.wake()
+            return
+        self._store[request.request_id] = final
+        while len(self._store) > self.max_retained_results:
+            dropped, _ = self._store.popitem(last=False)
+            self._registry.pop(dropped, None)
+            self.num_dropped_results += 1
+            if self.num_dropped_results == 1:
+                logger.warning(
+                    "cbgen: dropping finished results nobody collected (max_retained_results=%d)",
+                    self.max_retained_results,
+                )
+        if self._store:
+            self._wake_any_locked()
+
+    def _shutdown(self, reason: FinishReason, error: str | None) -> None:
+        """Settle every request still open, then wake everyone (runs on the loop thread)."""
+        for request_id in list(self._active):
+            try:
+                self.core.abort(request_id)
+            except Exception:  # a broken core must not keep the waiters asleep
+                logger.exception("cbgen: could not abort %r at shutdown", request_id)
+        self._active.clear()
+        with self._lock:
+            open_requests = [r for r in self._registry.values() if r.final is None]
+        self._publish([self._final(r, reason, error) for r in open_requests])
+        with self._lock:
+            self._stopped = True
+            waiters = list(self._any_waiters)
+            self._any_waiters.clear()
+        for waiter in waiters:
+            waiter.wake()
+        while True:  # release sync() callers queued behind the close
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == _BARRIER:
+                arg.set()
+
+
+async def _wait(
+    future: asyncio.Future, deadline: float | None, loop: asyncio.AbstractEventLoop
+) -> None:
+    if deadline is None:
+        await future
+        return
+    try:
+        await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
+    except asyncio.TimeoutError:
+        raise TimeoutError("timed out") from None
+
+
+class RequestStream(Iterator[OnlineRequestOutput]):
+    """The deltas of one request (from ``OnlineEngine.stream``); cancels it if abandoned."""
+
+    def __init__(self, engine: OnlineEngine, request_id: str, sink: queue.SimpleQueue) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._sink = sink
+        self._done = False
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> OnlineRequestOutput:
+        if self._done:
+            raise StopIteration
+        delta = self._sink.get()
+        if delta.finished:
+            self._done = True
+        return delta
+
+    def close(self) -> None:
+        """Stop listening; an unfinished request is cancelled."""
+        if not self._done:
+            self._done = True
+            self._engine._commands.put((_ABANDON, self.request_id))
+
+    def __del__(self) -> None:
+        # SimpleQueue.put is reentrant: safe from a finalizer on any thread.
+        if not getattr(self, "_done", True):
+            self._done = True
+            self._engine._commands.put((_ABANDON, self.request_id))
+
+
+class AsyncRequestStream(AsyncIterator[OnlineRequestOutput]):
+    """The deltas of one request (from ``OnlineEngine.stream_async``); cancels it if abandoned."""
+
+    def __init__(self, engine: OnlineEngine, request_id: str, aqueue: asyncio.Queue) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = aqueue
+        self._done = False
+
+    def __aiter__(self) -> AsyncRequestStream:
+        return self
+
+    async def __anext__(self) -> OnlineRequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        if delta.finished:
+            self._done = True
+        return delta
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._commands.put((_ABANDON, self.request_id))
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self._done = True
+            self._engine._commands.put((_ABANDON, self.request_id))

@@ -1,0 +1,398 @@
+"""The online engine: background loop, streaming, results, cancellation, failures, asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import threading
+
+import pytest
+from conftest import random_prompts, reference_greedy
+
+from cbgen import EngineConfig, SamplingParams
+from cbgen.online import EngineClosedError, OnlineEngine
+
+NUM_BLOCKS = 96
+
+
+def make_engine(model, tokenizer=None, **config):
+    config.setdefault("num_blocks", NUM_BLOCKS)
+    config.setdefault("block_size", 8)
+    retained = config.pop("max_retained_results", 4096)
+    return OnlineEngine(model, tokenizer, EngineConfig(**config), max_retained_results=retained)
+
+
+def assert_no_leak(engine):
+    """Every cancel has been applied, nothing runs, and every block is free."""
+    engine.sync(timeout=30)
+    core = engine.core
+    assert not core.has_unfinished()
+    assert core.allocator.num_free == core.allocator.num_blocks
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_new_tokens=n, **kw)
+
+
+def long_params(n=400):
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def joined(deltas):
+    ids = [t for d in deltas for t in d.new_token_ids]
+    return ids
+
+
+# -- correctness --------------------------------------------------------------------------
+
+
+def test_greedy_stream_and_result_equal_generate(llama):
+    prompts = random_prompts(5, 3, 30, seed=21)
+    expected = [reference_greedy(llama, p, 12) for p in prompts]
+    with make_engine(llama) as engine:
+        streamed = [engine.add_request(p, greedy(12)) for p in prompts]
+        collected = [engine.add_request(p, greedy(12)) for p in prompts]
+        for rid, want in zip(streamed, expected, strict=True):
+            deltas = list(engine.stream(rid))
+            assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+            assert joined(deltas) == deltas[-1].token_ids == want
+        results = {rid: engine.get_result(rid, timeout=30) for rid in collected}
+        assert [results[rid].token_ids for rid in collected] == expected
+        assert all(r.text is None for r in results.values())
+        assert_no_leak(engine)
+    assert llama.config._attn_implementation != "cbgen_paged"
+
+
+def test_late_stream_catches_up(llama):
+    prompt = [5, 9, 11, 30]
+    expected = reference_greedy(llama, prompt, 30)
+    with make_engine(llama) as engine:
+        slow = engine.add_request(prompt, greedy(30))
+        quick = engine.add_request([7, 8], greedy(3, ignore_eos=True))
+        engine.get_result(quick, timeout=30)  # by now ``slow`` has at least three tokens
+        deltas = list(engine.stream(slow))
+        assert len(deltas[0].new_token_ids) >= 3
+        assert joined(deltas) == deltas[-1].token_ids == expected
+        # A finished, uncollected request streams as one final delta.
+        done = engine.add_request(prompt, greedy(4))
+        engine.get_result(engine.add_request(prompt, greedy(4)), timeout=30)
+        (only,) = list(engine.stream(done))
+        assert only.finished and only.new_token_ids == expected[:4]
+        assert_no_leak(engine)
+
+
+def test_text_streaming_and_stop_strings(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story about a cat."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    params = greedy(16, ignore_eos=True)
+    with make_engine(model, tokenizer, num_blocks=64, block_size=16) as engine:
+        deltas = list(engine.stream(engine.add_request(prompt, params)))
+        free = deltas[-1]
+        ids, text = free.token_ids, free.text
+        assert "".join(d.new_text for d in deltas) == text
+        assert joined(deltas) == ids
+        assert text == tokenizer.decode(ids, skip_special_tokens=True) and text.strip()
+
+        # A stop string of two characters on each side of the boundary of tokens j-1 and j.
+        lens = [
+            len(tokenizer.decode(ids[:j], skip_special_tokens=True)) for j in range(len(ids) + 1)
+        ]
+        stop = end = None
+        for j in range(3, len(ids) - 3):
+            cut = lens[j]
+            candidate = text[cut - 2 : cut + 2]
+            if lens[j - 1] < cut < lens[j + 1] and text.find(candidate) == cut - 2:
+                stop = candidate
+                end = next(k for k in range(len(ids) + 1) if lens[k] >= cut + 2)
+                break
+        assert stop is not None and len(stop) == 4, text
+
+        # Three more runs in one batch: stopped, never matched, and collected without streaming.
+        stopped = engine.add_request(prompt, params, stop=["never-there", stop])
+        unmatched = engine.add_request(prompt, params, stop="zzzqqq")
+        plain = engine.add_request(prompt, params)
+        deltas = list(engine.stream(stopped))
+        final = deltas[-1]
+        assert final.finish_reason == "stop"
+        assert final.text == text[: text.index(stop)]
+        assert "".join(d.new_text for d in deltas) == final.text
+        assert final.token_ids == ids[:end]  # the token that completed the stop is the last
+        out = engine.get_result(unmatched, timeout=120)
+        assert (out.text, out.finish_reason) == (text, "length")
+        out = engine.get_result(plain, timeout=120)
+        assert (out.text, out.token_ids) == (text, ids)
+        assert_no_leak(engine)
+
+
+# -- results, timeouts, cancellation ------------------------------------------------------
+
+
+def test_get_result_by_id_any_and_timeouts(llama):
+    with make_engine(llama) as engine:
+        with pytest.raises(TimeoutError):
+            engine.get_result(timeout=0.02)
+        with pytest.raises(KeyError):
+            engine.get_result("nope", timeout=0.02)
+        long_id = engine.add_request([5, 6, 7], long_params(), request_id="long")
+        with pytest.raises(TimeoutError):
+            engine.get_result(long_id, timeout=0.01)
+        short = {engine.add_request([9, 9, i + 3], greedy(4)) for i in range(3)}
+        got = {engine.get_result(timeout=30).request_id for _ in short}
+        assert got == short  # the long request is still running, so it is not among them
+        with pytest.raises(KeyError):
+            engine.get_result(next(iter(short)))  # already collected
+        assert engine.cancel(long_id)
+        out = engine.get_result(long_id, timeout=30)
+        assert out.finish_reason == "aborted" and 0 < len(out.token_ids) < 400
+        assert not engine.cancel(long_id)
+        assert_no_leak(engine)
+
+
+def test_cancel_waiting_and_running(llama):
+    with make_engine(llama, max_num_seqs=1) as engine:
+        running = engine.add_request([5, 6, 7], long_params())
+        waiting = engine.add_request([8, 9], long_params())
+        stream = engine.stream(running)
+        first = next(stream)
+        assert first.new_token_ids and not first.finished
+        assert engine.cancel(waiting)
+        out = engine.get_result(waiting, timeout=30)
+        assert out.finish_reason == "aborted" and out.token_ids == []
+        assert engine.cancel(running)
+        rest = list(stream)
+        assert rest[-1].finished and rest[-1].finish_reason == "aborted"
+        assert joined([first, *rest]) == rest[-1].token_ids
+        assert_no_leak(engine)
+
+
+def test_abandoned_streams_cancel_their_requests(llama):
+    with make_engine(llama) as engine:
+        rid = engine.add_request([5, 6, 7], long_params())
+        for delta in engine.stream(rid):
+            assert not delta.finished
+            break  # the generator is dropped here
+        gc.collect()
+        never_iterated = engine.stream(engine.add_request([4, 4], long_params()))
+        del never_iterated
+        closed = engine.stream(engine.add_request([3, 3], long_params()))
+        closed.close()
+        assert_no_leak(engine)
+
+
+def test_invalid_requests_raise_at_once(llama):
+    with make_engine(llama) as engine:
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.add_request([5, 6], SamplingParams(max_new_tokens=0))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([5, 999])
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request([])
+        with pytest.raises(ValueError, match="tokenizer"):
+            engine.add_request([5, 6], stop=["x"])
+        rid = engine.add_request([5, 6], long_params(), request_id="dup")
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request([5, 6], request_id="dup")
+        engine.cancel(rid)
+        assert engine.get_result(rid, timeout=30).finish_reason == "aborted"
+        assert engine.get_result(engine.add_request([5, 6], greedy(3)), timeout=30).finished
+        assert_no_leak(engine)
+
+
+def test_unfetched_results_are_bounded_and_streamed_ones_dropped(llama):
+    with make_engine(llama, max_retained_results=3) as engine:
+        ids = [engine.add_request([5, i + 3], greedy(2, ignore_eos=True)) for i in range(5)]
+        engine.get_result(engine.add_request([5, 9], greedy(2, ignore_eos=True)), timeout=30)
+        assert engine.num_dropped_results == 2
+        assert {engine.get_result(timeout=30).request_id for _ in range(3)} == set(ids[2:])
+        for rid in ids[:2]:
+            with pytest.raises(KeyError):
+                engine.get_result(rid, timeout=0)
+        streamed = engine.add_request([5, 6], greedy(3))
+        assert list(engine.stream(streamed))[-1].finished
+        with pytest.raises(KeyError):
+            engine.get_result(streamed, timeout=0)
+        with pytest.raises(TimeoutError):
+            engine.get_result(timeout=0)
+        assert_no_leak(engine)
+
+
+# -- failures and shutdown ----------------------------------------------------------------
+
+
+def test_step_exception_fails_its_requests_and_the_engine_goes_on(llama):
+    prompt = [5, 6, 7, 8]
+    expected = reference_greedy(llama, prompt, 6)
+    with make_engine(llama) as engine:
+        real_step, calls = engine.core.step, [0]
+
+        def flaky_step():
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("boom")
+            return real_step()
+
+        engine.core.step = flaky_step
+        ids = [engine.add_request([5, i + 3, 7], greedy(20, ignore_eos=True)) for i in range(4)]
+        outs = [engine.get_result(rid, timeout=30) for rid in ids]
+        reasons = [o.finish_reason for o in outs]
+        assert "error" in reasons and set(reasons) <= {"error", "length"}
+        for out in outs:
+            if out.finish_reason == "error":
+                assert "boom" in out.error
+        assert_no_leak(engine)
+        again = engine.get_result(engine.add_request(prompt, greedy(6)), timeout=30)
+        assert again.token_ids == expected
+        # A rule only the core knows about also ends the request with "error".
+        real_add = engine.core.add_request
+
+        def picky_add(prompt, params, request_id):
+            raise ValueError(f"request {request_id!r}: not today")
+
+        engine.core.add_request = picky_add
+        out = engine.get_result(engine.add_request(prompt, greedy(6)), timeout=30)
+        assert out.finish_reason == "error" and "not today" in out.error
+        engine.core.add_request = real_add
+        assert_no_leak(engine)
+
+
+def test_close_aborts_and_wakes_every_waiter(llama):
+    engine = make_engine(llama).start()
+    by_id = engine.add_request([5, 6, 7], long_params())
+    streamed = engine.add_request([5, 6, 8], long_params())
+    unclaimed = engine.add_request([5, 6, 9], long_params())
+    results = {}
+    started = threading.Barrier(4)
+
+    def wait_by_id():
+        started.wait()
+        results["by_id"] = engine.get_result(by_id, timeout=60)
+
+    def stream():
+        started.wait()
+        results["stream"] = list(engine.stream(streamed))[-1]
+
+    def wait_any():
+        started.wait()
+        results["any"] = engine.get_result(timeout=60)
+        try:
+            engine.get_result(timeout=60)
+        except EngineClosedError:
+            results["closed"] = True
+
+    threads = [threading.Thread(target=f) for f in (wait_by_id, stream, wait_any)]
+    for t in threads:
+        t.start()
+    started.wait()
+    # Peek until the by-id waiter is registered, or the any-waiter could take its result.
+    registered = threading.Event()
+    while not engine._registry[by_id].waiters:
+        registered.wait(0.001)
+    engine.close()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(not t.is_alive() for t in threads)
+    assert results["by_id"].finish_reason == "aborted"
+    assert results["stream"].finish_reason == "aborted"
+    assert results["any"].finish_reason == "aborted"
+    assert results["any"].request_id == unclaimed
+    assert results.get("closed")
+    assert engine.core.allocator.num_free == NUM_BLOCKS
+    assert llama.config._attn_implementation != "cbgen_paged"
+    with pytest.raises(EngineClosedError):
+        engine.add_request([5, 6])
+    engine.close()  # twice is fine
+
+
+# -- concurrency --------------------------------------------------------------------------
+
+
+def test_many_threads_add_stream_and_cancel(llama):
+    prompts = random_prompts(4, 3, 20, seed=5)
+    expected = [reference_greedy(llama, p, 8) for p in prompts]
+    errors: list[BaseException] = []
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def client(seed):
+        rng = random.Random(seed)
+        try:
+            for i in range(10):
+                k = rng.randrange(len(prompts))
+                mode = (seed + i) % 4
+                params = long_params(60) if mode >= 2 else greedy(8)
+                rid = engine.add_request(prompts[k], params, request_id=f"t{seed}-{i}")
+                if mode == 0:
+                    deltas = list(engine.stream(rid))
+                    assert joined(deltas) == deltas[-1].token_ids == expected[k]
+                elif mode == 1:
+                    assert engine.get_result(rid, timeout=60).token_ids == expected[k]
+                elif mode == 2:  # cancel while streaming
+                    stream = engine.stream(rid)
+                    for delta in stream:
+                        if delta.finished or len(delta.token_ids) >= rng.randint(1, 4):
+                            break
+                    engine.cancel(rid)
+                    rest = list(stream)
+                    assert not rest or rest[-1].finish_reason in ("aborted", "length")
+                else:  # cancel at once, maybe before it even ran
+                    engine.cancel(rid)
+                    assert engine.get_result(rid, timeout=60).finish_reason in (
+                        "aborted",
+                        "length",
+                    )
+                with lock:
+                    finished.append(rid)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    with make_engine(llama, num_blocks=64, max_num_seqs=16, max_batch_tokens=128) as engine:
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, errors
+        assert len(finished) == 80
+        assert_no_leak(engine)
+
+
+def test_asyncio_streaming_and_results(llama):
+    prompts = random_prompts(3, 4, 16, seed=8)
+    expected = [reference_greedy(llama, p, 10) for p in prompts]
+
+    async def consume(engine, rid):
+        deltas = [d async for d in engine.stream_async(rid)]
+        return joined(deltas), deltas[-1]
+
+    async def main(engine):
+        ids = [engine.add_request(p, greedy(10)) for p in prompts]
+        got = await asyncio.gather(*(consume(engine, rid) for rid in ids))
+        for (ids_seen, last), want in zip(got, expected, strict=True):
+            assert ids_seen == last.token_ids == want
+        # Results by id, in completion order, and timeouts.
+        rid = engine.add_request(prompts[0], greedy(10))
+        assert (await engine.get_result_async(rid, timeout=30)).token_ids == expected[0]
+        rid = engine.add_request(prompts[1], greedy(10))
+        assert (await engine.get_result_async(timeout=30)).request_id == rid
+        with pytest.raises(TimeoutError):
+            await engine.get_result_async(timeout=0.02)
+        slow = engine.add_request(prompts[2], long_params())
+        with pytest.raises(TimeoutError):
+            await engine.get_result_async(slow, timeout=0.01)
+        # Leaving an async stream early cancels the request.
+        async for delta in engine.stream_async(slow):
+            assert not delta.finished
+            break
+        gc.collect()
+        engine.cancel(slow)  # no-op if the abandoned stream already did it
+
+    with make_engine(llama) as engine:
+        asyncio.run(main(engine))
+        assert_no_leak(engine)
