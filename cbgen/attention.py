@@ -164,7 +164,9 @@ def paged_attention(
             span_k, span_v = k[:, rows], v[:, rows]
         else:
             span_k = key_cache.index_select(1, span.block_ids).flatten(1, 2)[:, : span.context_len]
-            span_v = value_cache.index_select(1, span.block_ids).flatten(1, 2)[:, : span.context_len]
+            span_v = value_cache.index_select(1, span.block_ids).flatten(1, 2)[
+                :, : span.context_len
+            ]
         out[:, rows] = _prefill_attention(
             q[:, rows], span_k, span_v, span, scale, sliding_window, softcap
         )

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="native kernel could not 
 def test_kernel_matches_torch_decode(dtype, heads, kv_heads, window, softcap):
     torch.manual_seed(0)
     block_size, dim = 4, 16
-    cache = PagedKVCache([LayerSpec(kv_heads, dim, dim, dtype)], 32, block_size, torch.device("cpu"))
+    cache = PagedKVCache(
+        [LayerSpec(kv_heads, dim, dim, dtype)], 32, block_size, torch.device("cpu")
+    )
     cache.keys[0].normal_()
     cache.values[0].normal_()
     lens = [1, 7, 13, 4]
