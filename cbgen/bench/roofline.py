@@ -1,0 +1,107 @@
+"""A compute roofline for decoding: this machine's matmul FLOP/s on the model's own linear maps.
+
+Decoding one token costs about ``2 x (weights of every linear map, LM head included)``
+FLOPs (attention over the cache and the element-wise work are left out, which flatters
+nobody). ``measure`` times ``F.linear`` on ``[m, in] x [out, in]^T`` for each distinct
+weight shape, in the run's dtype and thread count, and reports:
+
+- ``peak_flops``: the FLOP rate of one whole forward's linear maps at ``m`` tokens
+  (total FLOPs / total time, each shape weighted by how often it occurs);
+- ``best_shape_flops``: the fastest single shape;
+- ``ceiling_tok_s``: ``peak_flops / flops_per_token``, the decode throughput a perfect
+  engine would reach if nothing but these matmuls took time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_shapes(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Each distinct ``nn.Linear`` weight shape ``(out, in)`` and how many modules have it."""
+    counts: Counter[tuple[int, int]] = Counter()
+    names: dict[tuple[int, int], str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            shape = (int(module.out_features), int(module.in_features))
+            counts[shape] += 1
+            names.setdefault(shape, name)
+    return [
+        {"out": o, "in": i, "count": c, "example": names[(o, i)]} for (o, i), c in counts.items()
+    ]
+
+
+def flops_per_token(shapes: list[dict[str, Any]]) -> int:
+    return 2 * sum(s["out"] * s["in"] * s["count"] for s in shapes)
+
+
+def _time_linear(x: torch.Tensor, w: torch.Tensor, min_time: float, trials: int) -> float:
+    """The best per-call time over ``trials`` timed loops of at least ``min_time`` s."""
+    for _ in range(3):
+        F.linear(x, w)
+    calls = 1
+    while True:  # calibrate the loop length
+        started = time.perf_counter()
+        for _ in range(calls):
+            F.linear(x, w)
+        elapsed = time.perf_counter() - started
+        if elapsed >= min_time / 4 or calls >= 1 << 16:
+            break
+        calls *= 2
+    calls = max(1, int(calls * (min_time / max(elapsed, 1e-9))))
+    best = float("inf")
+    for _ in range(trials):
+        started = time.perf_counter()
+        for _ in range(calls):
+            F.linear(x, w)
+        best = min(best, (time.perf_counter() - started) / calls)
+    return best
+
+
+@torch.inference_mode()
+def measure(
+    shapes: list[dict[str, Any]],
+    m: int = 64,
+    dtype: torch.dtype = torch.float32,
+    min_time: float = 0.2,
+    trials: int = 3,
+) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    per_shape = []
+    total_flops = 0.0
+    total_time = 0.0
+    for shape in shapes:
+        x = torch.randn(m, shape["in"], generator=generator).to(dtype)
+        w = torch.randn(shape["out"], shape["in"], generator=generator).to(dtype)
+        seconds = _time_linear(x, w, min_time, trials)
+        flops = 2.0 * m * shape["out"] * shape["in"]
+        per_shape.append({**shape, "seconds": seconds, "flops_per_s": flops / seconds})
+        total_flops += flops * shape["count"]
+        total_time += seconds * shape["count"]
+    per_token = flops_per_token(shapes)
+    peak = total_flops / total_time
+    return {
+        "m": m,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "shapes": per_shape,
+        "flops_per_token": per_token,
+        "peak_flops": peak,
+        "best_shape_flops": max(s["flops_per_s"] for s in per_shape),
+        "ceiling_tok_s": peak / per_token,
+    }
+
+
+def utilization(
+    roofline: dict[str, Any] | None, tokens_per_s: float | None
+) -> dict[str, float] | None:
+    """What fraction of the roofline ``tokens_per_s`` reaches."""
+    if not roofline or not tokens_per_s:
+        return None
+    achieved = roofline["flops_per_token"] * tokens_per_s
+    return {"achieved_flops": achieved, "fraction": achieved / roofline["peak_flops"]}

@@ -1,0 +1,652 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions on the online engine.
+
+Every API call becomes one engine request per choice (``n`` samples of each prompt,
+sample ``i`` seeded with ``seed + i``), streamed from the engine with
+``stream_async``. A streamed answer is written as server-sent events; a plain one is
+gathered while a watcher waits for the client to go away. Either way, a client that
+disconnects cancels its requests and their KV blocks come back before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..online import EngineClosedError, OnlineEngine, OnlineRequestOutput
+from ..request import FinishReason
+from ..sampling import SamplingParams
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (
+    CHAT_NEUTRAL,
+    COMPLETION_NEUTRAL,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    check_unsupported,
+    error_body,
+    finish_reason_name,
+    parse,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 16
+_DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body
+
+
+class _Job:
+    """One API call: its engine requests (one per choice) and what they produced."""
+
+    def __init__(self, kind: str, n: int, stream: bool, include_usage: bool, t0: float) -> None:
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        self.kind = kind
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n = n
+        self.stream = stream
+        self.include_usage = include_usage
+        self.t0 = t0
+        self.rids: list[str] = []
+        self.streams: list[Any] = []
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.done = False  # every choice finished (not cut short by the client)
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _strip_request_prefix(message: str) -> str:
+    # The engine's messages start with "request 'id': "; the id means nothing to the client.
+    if message.startswith("request '") and "': " in message:
+        return message.split("': ", 1)[1]
+    return message
+
+
+class _CountStatus:
+    """Pure ASGI middleware counting API calls by endpoint and status (streams untouched)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http[(path, int(message["status"]))] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class _Server:
+    def __init__(
+        self,
+        engine: OnlineEngine,
+        tokenizer: Any,
+        model_name: str,
+        api_key: str | None,
+        max_body_bytes: int,
+        max_choices: int,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.max_choices = max_choices
+        self.max_model_len = engine.core.max_model_len
+        self.metrics = ServerMetrics(engine, model_name)
+
+    # -- request checks -------------------------------------------------------------------
+
+    async def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization")
+        if not header:
+            raise APIError(
+                401,
+                "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "Incorrect API key provided.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.max_body_bytes
+        too_big = APIError(
+            413,
+            f"Request body too large: the limit is {limit} bytes.",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length")
+        body = bytearray()
+        oversized = declared is not None and declared.isdigit() and int(declared) > limit
+        drained = 0
+        async for chunk in request.stream():
+            if oversized:  # read the rest and drop it, so the client gets the 413 cleanly
+                drained += len(chunk)
+                if drained > _DRAIN_LIMIT:
+                    break
+                continue
+            body += chunk
+            if len(body) > limit:
+                oversized = True
+                drained = len(body)
+                body = bytearray()
+        if oversized:
+            raise too_big
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise APIError(400, f"The body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "The body must be a JSON object.")
+        return data
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling(
+        self, req: Any, prompt_len: int, max_tokens: int | None, default_max: int | None
+    ) -> SamplingParams:
+        limit = self.max_model_len
+        room = limit - prompt_len
+        if room < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{prompt_len} tokens (at least one new token must fit).",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room if default_max is None else min(default_max, room)
+        elif max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        elif prompt_len + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but "
+                f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        temperature = 1.0 if req.temperature is None else req.temperature
+        if not 0.0 <= temperature <= 2.0:
+            raise APIError(400, f"temperature must be in [0, 2], got {temperature}.", "temperature")
+        top_p = 1.0 if req.top_p is None else req.top_p
+        if not 0.0 < top_p <= 1.0:
+            raise APIError(400, f"top_p must be in (0, 1], got {top_p}.", param="top_p")
+        top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
+        if top_k < 0:
+            raise APIError(400, f"top_k must be >= 0 (0 or -1 = off), got {top_k}.", "top_k")
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=top_k,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+        )
+
+    def num_choices(self, req: Any, num_prompts: int) -> int:
+        n = 1 if req.n is None else req.n
+        if n < 1 or n * num_prompts > self.max_choices:
+            raise APIError(
+                400,
+                f"n must be between 1 and {self.max_choices // max(num_prompts, 1)} "
+                f"(at most {self.max_choices} choices per call), got {n}.",
+                param="n",
+            )
+        return n
+
+    def stops(self, req: Any) -> list[str] | None:
+        stop = req.stop
+        if stop is None:
+            return None
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise APIError(
+                400,
+                f"stop takes up to {MAX_STOP_STRINGS} non-empty strings.",
+                param="stop",
+            )
+        return stops or None
+
+    # -- running a call -------------------------------------------------------------------
+
+    def start(
+        self,
+        job: _Job,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        stop: list[str] | None,
+    ) -> None:
+        """Add one engine request per choice and attach its stream (all or nothing)."""
+        engine = self.engine
+        try:
+            for p, (prompt, base) in enumerate(zip(prompts, params, strict=True)):
+                for i in range(job.n):
+                    sample = base
+                    if base.seed is not None and i:
+                        sample = dataclasses.replace(base, seed=base.seed + i)
+                    rid = engine.add_request(prompt, sample, f"{job.id}-{p * job.n + i}", stop=stop)
+                    job.rids.append(rid)
+                    job.streams.append(engine.stream_async(rid))
+        except ValueError as exc:
+            self.cancel(job)
+            raise APIError(400, _strip_request_prefix(str(exc))) from None
+        except EngineClosedError as exc:
+            self.cancel(job)
+            raise APIError(503, f"The engine is not running: {exc}", type="server_error") from None
+        job.prompt_tokens = sum(len(p) for p in prompts)
+        self.metrics.prompt_tokens += job.prompt_tokens
+
+    def cancel(self, job: _Job) -> None:
+        for stream in job.streams:
+            stream.close()  # cancels the request unless it finished
+        for rid in job.rids:
+            self.engine.cancel(rid)
+
+    async def deltas(self, job: _Job) -> AsyncIterator[tuple[int, OnlineRequestOutput]]:
+        """Every choice's deltas as they come, tagged with the choice index; times tokens."""
+        metrics = self.metrics
+        last: list[float | None] = [None] * len(job.streams)
+        remaining = len(job.streams)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: Any) -> None:
+            try:
+                async for delta in stream:
+                    merged.put_nowait((index, delta))
+            except Exception as exc:  # never leave the merged stream waiting forever
+                merged.put_nowait((index, exc))
+
+        tasks = []
+        if len(job.streams) > 1:
+            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(job.streams)]
+        single = job.streams[0] if len(job.streams) == 1 else None
+        try:
+            while remaining:
+                if single is not None:
+                    index, delta = 0, await single.__anext__()
+                else:
+                    index, delta = await merged.get()
+                    if isinstance(delta, Exception):
+                        raise delta
+                now = time.perf_counter()
+                count = len(delta.new_token_ids)
+                if count:
+                    previous = last[index]
+                    if previous is None:
+                        metrics.ttft.observe(now - job.t0)
+                    else:
+                        metrics.itl.observe((now - previous) / count, count)
+                    last[index] = now
+                    metrics.generation_tokens += count
+                    job.completion_tokens += count
+                if delta.finished:
+                    remaining -= 1
+                    metrics.e2e.observe(now - job.t0)
+                    metrics.finished[str(delta.finish_reason)] += 1
+                yield index, delta
+            job.done = True
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not job.done:
+                self.cancel(job)
+
+    async def collect(self, job: _Job, request: Request) -> list[OnlineRequestOutput]:
+        """Every choice's final output; cancels them if the client disconnects first."""
+        finals: list[Any] = [None] * len(job.rids)
+
+        async def run() -> None:
+            async with contextlib.aclosing(self.deltas(job)) as deltas:
+                async for index, delta in deltas:
+                    if delta.finished:
+                        finals[index] = delta
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        task = asyncio.create_task(run())
+        watcher = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                self.cancel(job)
+                self.metrics.disconnects += 1
+        if task.cancelled():
+            raise APIError(499, "The client closed the request.", code="client_closed_request")
+        task.result()
+        for final in finals:
+            if final.finish_reason is FinishReason.ERROR:
+                raise APIError(500, f"Generation failed: {final.error}", type="server_error")
+        return finals
+
+    async def sse(self, job: _Job) -> AsyncIterator[str]:
+        """The server-sent events of a streamed call, ending with ``data: [DONE]``."""
+        chat = job.kind == "chat"
+        head = {
+            "id": job.id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": job.created,
+            "model": self.model_name,
+        }
+        if chat:
+            head["system_fingerprint"] = None
+        tail = {"usage": None} if job.include_usage else {}
+        try:
+            if chat:
+                for index in range(len(job.rids)):
+                    choice = {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _sse({**head, "choices": [choice], **tail})
+            async with contextlib.aclosing(self.deltas(job)) as deltas:
+                async for index, delta in deltas:
+                    if delta.finish_reason is FinishReason.ERROR:
+                        message = f"Generation failed: {delta.error}"
+                        yield _sse(error_body(message, "server_error"))
+                        break
+                    text = delta.new_text or ""
+                    if not text and not delta.finished:
+                        continue
+                    reason = finish_reason_name(delta.finish_reason) if delta.finished else None
+                    if chat:
+                        choice = {
+                            "index": index,
+                            "delta": {"content": text} if text else {},
+                            "logprobs": None,
+                            "finish_reason": reason,
+                        }
+                    else:
+                        choice = {
+                            "index": index,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": reason,
+                        }
+                    yield _sse({**head, "choices": [choice], **tail})
+            if job.include_usage:
+                yield _sse({**head, "choices": [], "usage": job.usage()})
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.disconnects += 1
+            raise
+        finally:
+            if not job.done:
+                self.cancel(job)
+
+    def stream_response(self, job: _Job) -> StreamingResponse:
+        # The background task also cancels a job whose stream never started (client gone).
+        return StreamingResponse(
+            self.sse(job),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(self.cancel, job),
+        )
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Any:
+        t0 = time.perf_counter()
+        req: CompletionRequest = parse(CompletionRequest, await self.read_json(request))
+        self.check_model(req.model)
+        check_unsupported(req, COMPLETION_NEUTRAL, best_of_ok=req.n or 1)
+        prompts = self.completion_prompts(req.prompt)
+        n = self.num_choices(req, len(prompts))
+        stop = self.stops(req)
+        params = [
+            self.sampling(req, len(p), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+            for p in prompts
+        ]
+        include_usage = self.include_usage(req)
+        job = _Job("completion", n, bool(req.stream), include_usage, t0)
+        self.start(job, prompts, params, stop)
+        if job.stream:
+            return self.stream_response(job)
+        finals = await self.collect(job, request)
+        return {
+            "id": job.id,
+            "object": "text_completion",
+            "created": job.created,
+            "model": self.model_name,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": index,
+                    "text": final.text or "",
+                    "logprobs": None,
+                    "finish_reason": finish_reason_name(final.finish_reason),
+                }
+                for index, final in enumerate(finals)
+            ],
+            "usage": job.usage(),
+        }
+
+    async def chat_completions(self, request: Request) -> Any:
+        t0 = time.perf_counter()
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await self.read_json(request))
+        self.check_model(req.model)
+        check_unsupported(req, CHAT_NEUTRAL)
+        messages = chat_messages(req.messages)
+        prompt = self.chat_prompt(messages)
+        n = self.num_choices(req, 1)
+        stop = self.stops(req)
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        params = [self.sampling(req, len(prompt), max_tokens, None)]
+        job = _Job("chat", n, bool(req.stream), self.include_usage(req), t0)
+        self.start(job, [prompt], params, stop)
+        if job.stream:
+            return self.stream_response(job)
+        finals = await self.collect(job, request)
+        return {
+            "id": job.id,
+            "object": "chat.completion",
+            "created": job.created,
+            "model": self.model_name,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": final.text or ""},
+                    "logprobs": None,
+                    "finish_reason": finish_reason_name(final.finish_reason),
+                }
+                for index, final in enumerate(finals)
+            ],
+            "usage": job.usage(),
+        }
+
+    def include_usage(self, req: Any) -> bool:
+        if req.stream_options is None:
+            return False
+        if not req.stream:
+            raise APIError(
+                400, "stream_options is only allowed with stream: true.", "stream_options"
+            )
+        return req.stream_options.include_usage
+
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt is empty.", param="prompt")
+        if len(prompts) > self.max_choices:
+            raise APIError(
+                400, f"At most {self.max_choices} prompts per call, got {len(prompts)}.", "prompt"
+            )
+        out = []
+        for p in prompts:
+            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "prompt is empty (it encodes to no tokens).", param="prompt")
+            out.append(ids)
+        return out
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(400, "This model has no chat template; use /v1/completions.")
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+        except Exception as exc:  # the template rejected the conversation (e.g. role order)
+            raise APIError(400, f"The chat template failed: {exc}", param="messages") from None
+        return list(encoded["input_ids"])
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "cbgen",
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
+
+
+def create_app(
+    engine: OnlineEngine,
+    tokenizer: Any,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_choices: int = 128,
+) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine`` (started here if it is not running).
+
+    ``api_key`` guards every ``/v1/`` route (``Authorization: Bearer <key>``);
+    ``/health`` and ``/metrics`` stay open. ``max_body_bytes`` bounds a request body
+    (413 past it); ``max_choices`` bounds the engine requests one call may add
+    (prompts × ``n``). The caller owns the engine and closes it after the server stops.
+    """
+    if tokenizer is None:
+        raise ValueError("the server needs the model's tokenizer")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if engine.tokenizer is None:
+        raise ValueError("the online engine needs the tokenizer (OnlineEngine(model, tokenizer))")
+    engine.start()
+    server = _Server(engine, tokenizer, model_name, api_key, max_body_bytes, max_choices)
+    app = FastAPI(title="cbgen", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.cbgen = server
+    auth = [Depends(server.authorize)]
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("cbgen server: unhandled error")
+        return JSONResponse(
+            error_body(f"Internal server error: {type(exc).__name__}", "server_error"),
+            status_code=500,
+        )
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Any:
+        return await server.completions(request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Any:
+        return await server.chat_completions(request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> Any:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return JSONResponse({"status": "ok", "model": model_name})
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(_CountStatus, metrics=server.metrics)
+    return app

@@ -1,0 +1,221 @@
+"""The OpenAI request shapes the server accepts, and the checks that give clean 400s.
+
+Requests are parsed with pydantic (``extra="allow"``): fields cbgen implements are
+typed here; any other field is looked up in ``_NEUTRAL`` (OpenAI parameters that are
+accepted at their default, "off" value, or ignored because they change nothing here)
+and rejected otherwise, so ``logprobs``, ``tools`` or ``presence_penalty=0.5`` get a
+400 that names them rather than being silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: Any = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Sampling fields shared by both endpoints (``top_k`` and ``ignore_eos`` are extensions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+def _off(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == {} or v == []
+
+
+def _anything(v: Any) -> bool:
+    return True
+
+
+# OpenAI parameters accepted only where they change nothing (their neutral value).
+_COMMON_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": _off(0, 0.0),
+    "frequency_penalty": _off(0, 0.0),
+    "logit_bias": _empty,
+    "user": _anything,  # an end-user id for abuse tracking: nothing to track here
+}
+COMPLETION_NEUTRAL = {
+    **_COMMON_NEUTRAL,
+    "logprobs": _off(),  # 0 still asks for the sampled tokens' logprobs
+    "echo": _off(False),
+    "suffix": _off(""),
+    "best_of": _off(1),  # best_of == n is also accepted (checked where n is known)
+}
+CHAT_NEUTRAL = {
+    **_COMMON_NEUTRAL,
+    "logprobs": _off(False),
+    "top_logprobs": _off(0),
+    "tools": _empty,
+    "tool_choice": _off("none"),
+    "functions": _empty,
+    "function_call": _off("none"),
+    "parallel_tool_calls": _anything,  # meaningless without tools
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": _off(),
+    "prediction": _off(),
+    "web_search_options": _off(),
+    "reasoning_effort": _off(),
+    "verbosity": _off(),
+    "store": _off(False),
+    "metadata": _anything,
+    "service_tier": _off("auto", "default"),
+    "safety_identifier": _anything,
+    "prompt_cache_key": _anything,
+}
+
+
+def parse(model_cls: type[BaseModel], data: Any) -> Any:
+    """Validate a JSON body; a bad field becomes a 400 naming it."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        first_param = None
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(p) for p in err["loc"])
+            first_param = first_param or (str(err["loc"][0]) if err["loc"] else None)
+            problems.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+        raise APIError(400, "; ".join(problems), param=first_param) from None
+
+
+def check_unsupported(
+    request: BaseModel, neutral: dict[str, Callable[[Any], bool]], best_of_ok: int | None = None
+) -> None:
+    """400 naming every extra field that is unknown or set to a value cbgen cannot honour."""
+    bad = []
+    for name, value in (request.model_extra or {}).items():
+        if name == "best_of" and best_of_ok is not None and value == best_of_ok:
+            continue
+        accepts = neutral.get(name)
+        if accepts is None or not accepts(value):
+            bad.append(name)
+    if bad:
+        names = ", ".join(sorted(bad))
+        raise APIError(
+            400,
+            f"unsupported parameter{'s' if len(bad) > 1 else ''}: {names} (cbgen serves text "
+            "generation with max_tokens, temperature, top_p, top_k, n, stop, seed, stream, "
+            "stream_options)",
+            param=sorted(bad)[0],
+            code="unsupported_parameter",
+        )
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages for the tokenizer's chat template: text content only."""
+    out = []
+    for i, message in enumerate(messages):
+        role = message.role
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise APIError(
+                400,
+                f"messages[{i}].role {message.role!r} is not supported "
+                "(system, developer, user, assistant)",
+                param=f"messages.{i}.role",
+            )
+        extra = sorted(k for k, v in (message.model_extra or {}).items() if not _empty(v))
+        if extra:
+            raise APIError(
+                400,
+                f"messages[{i}]: unsupported field{'s' if len(extra) > 1 else ''}: "
+                + ", ".join(extra),
+                param=f"messages.{i}.{extra[0]}",
+                code="unsupported_parameter",
+            )
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content[{j}]: only text parts are supported "
+                        f"(got type {part.get('type')!r})",
+                        param=f"messages.{i}.content",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_limit": "length"}
+
+
+def finish_reason_name(reason: Any) -> str:
+    """cbgen's ``FinishReason`` as OpenAI's ``finish_reason`` (``"abort"`` when cancelled)."""
+    return _FINISH.get(str(reason), "abort")
