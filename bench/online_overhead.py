@@ -21,8 +21,8 @@ import time
 import torch
 
 from cbgen import EngineConfig, SamplingParams
-from cbgen.engine import Engine
-from cbgen.online import OnlineEngine
+from cbgen.engine import EngineCore
+from cbgen.online import Engine
 
 
 def tiny_model() -> torch.nn.Module:
@@ -47,7 +47,7 @@ def tiny_model() -> torch.nn.Module:
 class StepTimer:
     """Wraps ``core.step`` and adds up the time spent inside it."""
 
-    def __init__(self, core: Engine) -> None:
+    def __init__(self, core: EngineCore) -> None:
         self.inner = core.step
         self.seconds = 0.0
         self.steps = 0
@@ -74,7 +74,7 @@ def run_core(model, config, prompts, params):
 
 
 def _run_core(model, config, prompts, params):
-    with Engine(model, config) as core:
+    with EngineCore(model, config) as core:
         timer = StepTimer(core)
         start = time.perf_counter()
         for prompt in prompts:
@@ -88,7 +88,7 @@ def _run_core(model, config, prompts, params):
 
 
 def run_online(mode, model, config, prompts, params):
-    with OnlineEngine(model, None, config) as engine:
+    with Engine(model, None, config) as engine:
         engine.sync()  # the loop thread is up before the clock starts
         timer = StepTimer(engine.core)
         start = time.perf_counter()

@@ -18,7 +18,7 @@ import time
 import torch
 
 import cbgen
-from cbgen import Engine, EngineConfig, SamplingParams
+from cbgen import EngineConfig, EngineCore, SamplingParams
 
 
 def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -39,7 +39,7 @@ def _run(model, prompts, args, policy: str, caching: bool) -> dict[str, float]:
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     output_tokens = 0
-    with Engine(model, config) as engine:
+    with EngineCore(model, config) as engine:
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, request_id=str(i))
         started = time.perf_counter()

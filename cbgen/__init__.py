@@ -1,18 +1,19 @@
 """cbgen: continuous-batching generation for Hugging Face transformers causal LMs."""
 
 from .config import EngineConfig
-from .engine import Engine
+from .engine import EngineCore
 from .generate import generate_batch
 from .models import load_model
-from .online import OnlineEngine
-from .request import FinishReason, RequestOutput
+from .online import Engine
+from .request import Completion, FinishReason, RequestOutput
 from .sampling import SamplingParams
 
 __all__ = [
+    "Completion",
     "Engine",
     "EngineConfig",
+    "EngineCore",
     "FinishReason",
-    "OnlineEngine",
     "RequestOutput",
     "SamplingParams",
     "generate_batch",

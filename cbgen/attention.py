@@ -10,6 +10,11 @@ request, over that request's own cached tokens:
 * prefill chunks go through torch SDPA one request at a time, causal within
   the chunk and over everything cached before it.
 
+Layers attend through their cache group's block tables (``GroupTables``): a
+sliding-window group's tables start at the first block its window still reads
+(older blocks went back to the free list), with context lengths and key
+positions shifted to match, so windowed layers only ever read the window.
+
 What the function needs beyond the layer's tensors (slot mapping, block tables,
 the cache itself) comes from the step's ``AttentionMetadata``, installed for the
 duration of ``model.forward`` with ``attention_context``; a thread-local keeps
@@ -40,12 +45,36 @@ class PrefillSpan:
     q_start: int
     q_len: int
     context_len: int  # tokens cached before this chunk + q_len
-    block_ids: torch.Tensor | None  # blocks covering context_len; None when nothing was cached
-    mask: torch.Tensor | None  # [q_len, context_len] bool, None for a fresh causal chunk
+    mask: torch.Tensor | None  # [q_len, context_len] causal, when tokens were cached before
+
+
+@dataclass
+class GroupTables:
+    """One cache group's tables for a step, read by every layer of the group.
+
+    A windowed group's decode tables start at the first block in the window:
+    ``decode_context_lens`` count tokens from that block's first position.
+    ``prefill_blocks`` has, per prefill span, the blocks holding its keys from
+    position ``key_start`` to ``context_len`` (``None``: a fresh chunk, whose keys
+    are its own) and that ``key_start``.
+    """
+
+    slot_mapping: torch.Tensor  # [tokens] flat cache slot of each new token
+    decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [decodes]
+    decode_padding_mask: torch.Tensor | None = None  # [1, decodes, 1, max_blocks*block_size]
+    prefill_blocks: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
 
 
 @dataclass
 class AttentionMetadata:
+    """A step's attention inputs.
+
+    With one cache group the metadata carries that group's tables itself (the
+    fields it shares with ``GroupTables``); with several, ``groups`` holds one
+    ``GroupTables`` per group and ``layer_group`` maps each layer to its group.
+    """
+
     cache: PagedKVCache
     layer_of_module: dict[int, int]
     slot_mapping: torch.Tensor  # [tokens] flat cache slot of each new token
@@ -56,11 +85,18 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_only: bool = False  # every row is a decode row, in order: no gather/scatter of q
     decode_kernel: Any = None  # the native paged decode kernel module, when built
+    prefill_blocks: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
+    groups: list[GroupTables] = field(default_factory=list)
+    layer_group: list[int] = field(default_factory=list)  # layer -> index into groups
 
 
 @dataclass
 class ProbeRecord:
-    """Filled by a probe forward: one ``LayerSpec`` per attention module, in call order."""
+    """Filled by a probe forward: one ``LayerSpec`` per attention module, in call order.
+
+    Each spec holds what the layer's attention call showed: K/V heads and head sizes
+    (from the tensors), dtype, and the ``sliding_window`` the module passed.
+    """
 
     layer_of_module: dict[int, int] = field(default_factory=dict)
     layers: list[LayerSpec] = field(default_factory=list)
@@ -99,7 +135,7 @@ def paged_attention(
     if metadata is None:
         raise RuntimeError(
             f"the '{ATTENTION_NAME}' attention only runs inside a cbgen engine step; "
-            "restore the model's attention implementation (Engine.close()) to use it elsewhere"
+            "restore the model's attention implementation (EngineCore.close()) to use it elsewhere"
         )
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported by cbgen yet")
@@ -111,11 +147,14 @@ def paged_attention(
     q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim], [kv_heads, tokens, dim]
 
     if isinstance(metadata, ProbeRecord):
-        return _probe(metadata, module, q, k, v, scale)
+        return _probe(metadata, module, q, k, v, scale, sliding_window)
 
     layer = metadata.layer_of_module[id(module)]
+    tables: AttentionMetadata | GroupTables = (
+        metadata.groups[metadata.layer_group[layer]] if metadata.groups else metadata
+    )
     cache = metadata.cache
-    cache.write(layer, metadata.slot_mapping, k, v)
+    cache.write(layer, tables.slot_mapping, k, v)
     key_cache, value_cache = cache.keys[layer], cache.values[layer]
 
     kernel = metadata.decode_kernel
@@ -124,15 +163,15 @@ def paged_attention(
             q.transpose(0, 1).contiguous(),
             key_cache,
             value_cache,
-            metadata.decode_block_tables,
-            metadata.decode_context_lens,
+            tables.decode_block_tables,
+            tables.decode_context_lens,
             scale,
             sliding_window or 0,
             softcap or 0.0,
         )
         return out.unsqueeze(0), None
     if metadata.decode_only:
-        out = _decode_attention(q, key_cache, value_cache, metadata, scale, sliding_window, softcap)
+        out = _decode_attention(q, key_cache, value_cache, tables, scale, sliding_window, softcap)
         return out.transpose(0, 1).unsqueeze(0), None
 
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
@@ -141,8 +180,8 @@ def paged_attention(
             q.index_select(1, metadata.decode_rows).transpose(0, 1).contiguous(),
             key_cache,
             value_cache,
-            metadata.decode_block_tables,
-            metadata.decode_context_lens,
+            tables.decode_block_tables,
+            tables.decode_context_lens,
             scale,
             sliding_window or 0,
             softcap or 0.0,
@@ -153,22 +192,21 @@ def paged_attention(
             q.index_select(1, metadata.decode_rows),
             key_cache,
             value_cache,
-            metadata,
+            tables,
             scale,
             sliding_window,
             softcap,
         )
-    for span in metadata.prefills:
+    for span, (block_ids, key_start) in zip(metadata.prefills, tables.prefill_blocks, strict=True):
         rows = slice(span.q_start, span.q_start + span.q_len)
-        if span.block_ids is None:
+        if block_ids is None:
             span_k, span_v = k[:, rows], v[:, rows]
         else:
-            span_k = key_cache.index_select(1, span.block_ids).flatten(1, 2)[:, : span.context_len]
-            span_v = value_cache.index_select(1, span.block_ids).flatten(1, 2)[
-                :, : span.context_len
-            ]
+            length = span.context_len - key_start
+            span_k = key_cache.index_select(1, block_ids).flatten(1, 2)[:, :length]
+            span_v = value_cache.index_select(1, block_ids).flatten(1, 2)[:, :length]
         out[:, rows] = _prefill_attention(
-            q[:, rows], span_k, span_v, span, scale, sliding_window, softcap
+            q[:, rows], span_k, span_v, span, scale, sliding_window, softcap, key_start
         )
     return out.transpose(0, 1).unsqueeze(0), None
 
@@ -177,7 +215,7 @@ def _decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    metadata: AttentionMetadata | GroupTables,
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
@@ -188,6 +226,7 @@ def _decode_attention(
     block_size, dim]``, gathering the block tables yields ``[kv_heads, seqs,
     context, dim]`` contiguous, which the batched matmuls read directly (K
     transposed by stride, no copy). Returns ``[heads, seqs, value_dim]``.
+    ``metadata`` supplies the decode tables (the step's, or one cache group's).
     """
     assert metadata.decode_block_tables is not None and metadata.decode_padding_mask is not None
     num_heads, num_seqs, head_dim = q.shape
@@ -222,12 +261,14 @@ def _prefill_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """``q`` is ``[heads, q_len, dim]``; ``k``/``v`` are ``[kv_heads, context_len, dim]``."""
+    """``q`` is ``[heads, q_len, dim]``; ``k``/``v`` are ``[kv_heads, context_len - key_start,
+    dim]``: the keys of positions ``key_start`` (> 0 only for a window) to ``context_len``."""
     mask = span.mask
     if sliding_window is not None:
         q_pos = torch.arange(span.context_len - span.q_len, span.context_len, device=q.device)
-        k_pos = torch.arange(span.context_len, device=q.device)
+        k_pos = torch.arange(key_start, span.context_len, device=q.device)
         mask = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) & (
             k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - sliding_window
         )
@@ -275,13 +316,15 @@ def _probe(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
+    sliding_window: int | None,
 ) -> tuple[torch.Tensor, None]:
     if id(module) in record.layer_of_module:
         raise NotImplementedError(
             "an attention module ran twice in one forward (shared layers); cbgen does not support it"
         )
     record.layer_of_module[id(module)] = len(record.layers)
-    record.layers.append(LayerSpec(k.shape[0], k.shape[2], v.shape[2], k.dtype))
+    window = int(sliding_window) if sliding_window else None
+    record.layers.append(LayerSpec(k.shape[0], k.shape[2], v.shape[2], k.dtype, window))
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0),
         k.unsqueeze(0),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSpan
+from .attention import AttentionMetadata, GroupTables, PrefillSpan
+from .cache.groups import FULL_GROUP, CacheGroup
 from .cache.paged_cache import PagedKVCache
 from .scheduler import ScheduledChunk, SchedulerOutput
 
@@ -23,33 +25,54 @@ class StepBatch:
     sampled_chunks: list[ScheduledChunk]  # one per logits row, same order
 
 
+class _GroupLists:
+    """Host-side tables of one cache group while a step is packed."""
+
+    __slots__ = ("group", "slots", "decode_tables", "decode_lens", "prefill_blocks")
+
+    def __init__(self, group: CacheGroup) -> None:
+        self.group = group
+        self.slots: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.prefill_blocks: list[tuple[list[int] | None, int]] = []
+
+
 class BatchBuilder:
     """Packs the scheduled chunks into one sequence; decisions stay with the scheduler.
 
     All index arithmetic happens on host lists and each tensor crosses to the
-    device once.
+    device once. Every cache group gets its own slot mapping and block tables;
+    a windowed group's tables start at the first block its window reads.
     """
 
     def __init__(
-        self, cache: PagedKVCache, layer_of_module: dict[int, int], decode_kernel: Any = None
+        self,
+        cache: PagedKVCache,
+        layer_of_module: dict[int, int],
+        decode_kernel: Any = None,
+        groups: Sequence[CacheGroup] | None = None,
     ) -> None:
         self.cache = cache
         self.layer_of_module = layer_of_module
         self.decode_kernel = decode_kernel
         self.block_size = cache.block_size
         self.device = cache.device
+        self.groups: tuple[CacheGroup, ...] = tuple(groups) if groups else (FULL_GROUP,)
+        self.layer_group = [0] * cache.num_layers
+        for group in self.groups:
+            for layer in group.layers:
+                self.layer_group[layer] = group.index
 
     def build(self, scheduled: SchedulerOutput) -> StepBatch:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         logits_indices: list[int] = []
         sampled: list[ScheduledChunk] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int] | None]] = []
+        prefill_spans: list[tuple[int, int, int]] = []
+        lists = [_GroupLists(group) for group in self.groups]
 
         for chunk in scheduled.chunks:
             request = chunk.request
@@ -57,32 +80,53 @@ class BatchBuilder:
             row = len(input_ids)
             input_ids.extend(request.token_ids[start : start + count])
             positions.extend(range(start, start + count))
-            blocks = request.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + count))
+            tables = chunk.block_tables or [request.block_ids]
             context_len = start + count
-            if count == 1 and start > 0:
+            num_blocks = -(-context_len // bs)
+            decode = count == 1 and start > 0
+            for group_lists, blocks in zip(lists, tables, strict=True):
+                group = group_lists.group
+                group_lists.slots.extend(
+                    blocks[p // bs] * bs + p % bs for p in range(start, context_len)
+                )
+                first = group.first_needed_block(start, bs)
+                if decode:
+                    group_lists.decode_tables.append(blocks[first:num_blocks])
+                    group_lists.decode_lens.append(context_len - first * bs)
+                elif start > 0:
+                    group_lists.prefill_blocks.append((blocks[first:num_blocks], first * bs))
+                else:
+                    group_lists.prefill_blocks.append((None, 0))
+            if decode:
                 decode_rows.append(row)
-                decode_tables.append(blocks[: -(-context_len // bs)])
-                decode_lens.append(context_len)
             else:
-                cached = blocks[: -(-context_len // bs)] if start > 0 else None
-                prefill_specs.append((row, count, context_len, cached))
+                prefill_spans.append((row, count, context_len))
             if chunk.completes_sequence:
                 logits_indices.append(row + count - 1)
                 sampled.append(chunk)
 
         device = self.device
+        group_tables = [self._group_tables(group_lists) for group_lists in lists]
         metadata = AttentionMetadata(
             cache=self.cache,
             layer_of_module=self.layer_of_module,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=group_tables[0].slot_mapping,
             decode_kernel=self.decode_kernel,
         )
+        if len(group_tables) == 1:
+            only = group_tables[0]
+            metadata.decode_block_tables = only.decode_block_tables
+            metadata.decode_context_lens = only.decode_context_lens
+            metadata.decode_padding_mask = only.decode_padding_mask
+            metadata.prefill_blocks = only.prefill_blocks
+        else:
+            metadata.groups = group_tables
+            metadata.layer_group = self.layer_group
         if decode_rows:
-            self._add_decode(metadata, decode_rows, decode_tables, decode_lens)
-        metadata.decode_only = not prefill_specs
-        for row, count, context_len, cached in prefill_specs:
-            metadata.prefills.append(self._prefill_span(row, count, context_len, cached))
+            metadata.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        metadata.decode_only = not prefill_spans
+        for row, count, context_len in prefill_spans:
+            metadata.prefills.append(self._prefill_span(row, count, context_len))
 
         return StepBatch(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
@@ -92,35 +136,38 @@ class BatchBuilder:
             sampled_chunks=sampled,
         )
 
-    def _add_decode(
-        self,
-        metadata: AttentionMetadata,
-        rows: list[int],
-        tables: list[list[int]],
-        lens: list[int],
-    ) -> None:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+    def _group_tables(self, lists: _GroupLists) -> GroupTables:
+        device = self.device
+        tables = GroupTables(
+            slot_mapping=torch.tensor(lists.slots, dtype=torch.long, device=device)
+        )
+        tables.prefill_blocks = [
+            (None if blocks is None else torch.tensor(blocks, dtype=torch.long, device=device), k0)
+            for blocks, k0 in lists.prefill_blocks
+        ]
+        if lists.decode_tables:
+            self._add_decode(tables, lists.decode_tables, lists.decode_lens)
+        return tables
+
+    def _add_decode(self, tables: GroupTables, blocks: list[list[int]], lens: list[int]) -> None:
+        width = max(len(t) for t in blocks)
+        padded = [t + [0] * (width - len(t)) for t in blocks]
         device = self.device
         context_lens = torch.tensor(lens, dtype=torch.long, device=device)
-        metadata.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        metadata.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        metadata.decode_context_lens = context_lens
+        tables.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        tables.decode_context_lens = context_lens
         if self.decode_kernel is not None:
             return  # the kernel stops at each context length: no padding mask needed
         key_positions = torch.arange(width * self.block_size, device=device)
-        padding = torch.zeros(len(rows), width * self.block_size, device=device)
+        padding = torch.zeros(len(blocks), width * self.block_size, device=device)
         padding.masked_fill_(key_positions.unsqueeze(0) >= context_lens.unsqueeze(1), float("-inf"))
-        metadata.decode_padding_mask = padding.view(1, len(rows), 1, -1)
+        tables.decode_padding_mask = padding.view(1, len(blocks), 1, -1)
 
-    def _prefill_span(
-        self, row: int, count: int, context_len: int, cached: list[int] | None
-    ) -> PrefillSpan:
-        if cached is None:
-            return PrefillSpan(row, count, context_len, None, None)
+    def _prefill_span(self, row: int, count: int, context_len: int) -> PrefillSpan:
+        if context_len == count:
+            return PrefillSpan(row, count, context_len, None)
         device = self.device
         q_pos = torch.arange(context_len - count, context_len, device=device)
         k_pos = torch.arange(context_len, device=device)
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-        block_ids = torch.tensor(cached, dtype=torch.long, device=device)
-        return PrefillSpan(row, count, context_len, block_ids, mask)
+        return PrefillSpan(row, count, context_len, mask)

@@ -10,6 +10,7 @@ import torch
 
 from .batch import BatchBuilder
 from .cache.allocator import BlockAllocator
+from .cache.groups import build_groups, max_request_tokens, tensor_layout
 from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
 from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .config import EngineConfig
@@ -24,7 +25,7 @@ from .scheduler import Scheduler, make_scheduler
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class EngineCore:
     """Continuous batching over a paged KV cache for one ``transformers`` causal LM.
 
     Synchronous: the caller adds requests and calls ``step()`` until
@@ -47,7 +48,8 @@ class Engine:
     def _build(self, model: torch.nn.Module) -> None:
         config = self.config
         layers = self.runner.probe.layers
-        per_token = bytes_per_token(layers)
+        self.cache_groups = build_groups(layers)
+        per_token = bytes_per_token(tensor_layout(layers, self.cache_groups)[1])
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
@@ -55,11 +57,13 @@ class Engine:
             num_blocks = budget // (per_token * config.block_size)
             if num_blocks < 1:
                 raise ValueError(f"KV cache budget of {budget} bytes holds no block")
-        self.cache = PagedKVCache(layers, num_blocks, config.block_size, self.runner.device)
+        self.cache = PagedKVCache(
+            layers, num_blocks, config.block_size, self.runner.device, self.cache_groups
+        )
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_caching = config.enable_prefix_caching
         if self.prefix_caching:
-            reason = prefix_caching_unsupported_reason(model.config)
+            reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
             if reason is not None:
                 self.prefix_caching = False
                 logger.info("cbgen: prefix caching off: %s", reason)
@@ -70,28 +74,38 @@ class Engine:
             config.max_batch_tokens,
             config.max_num_seqs,
             enable_prefix_caching=self.prefix_caching,
+            groups=self.cache_groups,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions
         self.batch_builder = BatchBuilder(
-            self.cache, self.runner.probe.layer_of_module, self._decode_kernel(config)
+            self.cache,
+            self.runner.probe.layer_of_module,
+            self._decode_kernel(config),
+            self.cache_groups,
         )
         self.sampler = Sampler()
-        model_limit = (
-            config.max_model_len or _model_context_limit(model) or self.cache.capacity_tokens
+        # The longest request that fits alone (None: windowed layers only, any length fits).
+        cache_limit = max_request_tokens(
+            self.cache_groups, num_blocks, config.block_size, config.max_batch_tokens
         )
-        self.max_model_len = min(model_limit, self.cache.capacity_tokens)
+        model_limit = config.max_model_len or _model_context_limit(model) or cache_limit
+        if model_limit is None:
+            model_limit = 1 << 62
+        self.max_model_len = model_limit if cache_limit is None else min(model_limit, cache_limit)
         self.output_processor = OutputProcessor(_model_eos_ids(model), self.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         logger.info(
-            "cbgen: %d KV blocks of %d tokens (%.1f MiB, %d bytes/token), context limit %d",
+            "cbgen: %d KV blocks of %d tokens (%.1f MiB, %d bytes/token), context limit %d, "
+            "cache groups: %s",
             num_blocks,
             config.block_size,
             num_blocks * config.block_size * per_token / 2**20,
             per_token,
             self.max_model_len,
+            "; ".join(g.describe() for g in self.cache_groups),
         )
 
     def _decode_kernel(self, config: EngineConfig) -> object | None:
@@ -116,7 +130,7 @@ class Engine:
         if params.n != 1:
             raise ValueError(
                 f"request {request_id!r}: n={params.n} samples need cbgen.generate_batch; "
-                "Engine.add_request runs one sample (add one request per sample)"
+                "EngineCore.add_request runs one sample (add one request per sample)"
             )
         request = Request(request_id, prompt, params, next(self._arrivals))
         if params.seed is not None:
@@ -194,7 +208,7 @@ class Engine:
             self.abort(request_id)
         self.runner.close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> EngineCore:
         return self
 
     def __exit__(self, *exc: object) -> None:

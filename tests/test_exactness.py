@@ -6,7 +6,7 @@ import pytest
 from conftest import ARCHITECTURES, make_tiny_model, random_prompts, reference_greedy
 
 import cbgen
-from cbgen import Engine, EngineConfig, SamplingParams
+from cbgen import EngineConfig, EngineCore, SamplingParams
 
 
 def _check(model, prompts, max_new_tokens, config):
@@ -40,7 +40,7 @@ def test_preemption_keeps_outputs_exact(llama):
     prompts = random_prompts(10, 10, 40, seed=4)
     config = EngineConfig(block_size=4, num_blocks=24, max_batch_tokens=32)
     expected = [reference_greedy(llama, p, 30) for p in prompts]
-    with Engine(llama, config) as engine:
+    with EngineCore(llama, config) as engine:
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=30), request_id=str(i))
         results, preemptions = {}, 0
@@ -58,7 +58,9 @@ def test_requests_arriving_mid_run(llama):
     prompts = random_prompts(9, 3, 50, seed=5)
     expected = [reference_greedy(llama, p, 25) for p in prompts]
     results = {}
-    with Engine(llama, EngineConfig(block_size=8, num_blocks=256, max_batch_tokens=48)) as engine:
+    with EngineCore(
+        llama, EngineConfig(block_size=8, num_blocks=256, max_batch_tokens=48)
+    ) as engine:
         pending = list(enumerate(prompts))
         steps = 0
         while pending or engine.has_unfinished():

@@ -11,7 +11,7 @@ import pytest
 from conftest import random_prompts, reference_greedy
 
 from cbgen import EngineConfig, SamplingParams
-from cbgen.online import EngineClosedError, OnlineEngine
+from cbgen.online import Engine, EngineClosedError
 
 NUM_BLOCKS = 96
 
@@ -20,7 +20,7 @@ def make_engine(model, tokenizer=None, **config):
     config.setdefault("num_blocks", NUM_BLOCKS)
     config.setdefault("block_size", 8)
     retained = config.pop("max_retained_results", 4096)
-    return OnlineEngine(model, tokenizer, EngineConfig(**config), max_retained_results=retained)
+    return Engine(model, tokenizer, EngineConfig(**config), max_retained_results=retained)
 
 
 def assert_no_leak(engine):

@@ -6,7 +6,7 @@ import pytest
 from conftest import make_tiny_model, random_prompts, reference_greedy
 
 import cbgen
-from cbgen import Engine, EngineConfig, SamplingParams
+from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.cache.prefix_cache import hash_block, hash_blocks, prefix_caching_unsupported_reason
 
 
@@ -16,9 +16,9 @@ def _shared_prefix_prompts(prefix_len: int, count: int, seed: int) -> list[list[
 
 
 def _run(model, prompts, config, max_new_tokens):
-    """Drive an Engine; return the finished outputs in prompt order and the engine stats."""
+    """Drive an EngineCore; return the finished outputs in prompt order and the engine stats."""
     results = {}
-    with Engine(model, config) as engine:
+    with EngineCore(model, config) as engine:
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), str(i))
         while engine.has_unfinished():
@@ -69,7 +69,7 @@ def test_shared_prefix_outputs_are_exact(llama, policy, prefix_len):
 def test_num_cached_tokens_counts_full_blocks_up_to_the_last_prompt_token(llama):
     base = random_prompts(1, 30, 30, seed=40)[0]
     config = EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64)
-    with Engine(llama, config) as engine:
+    with EngineCore(llama, config) as engine:
 
         def run(prompt, max_new=12):
             rid = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new))
@@ -126,7 +126,7 @@ def test_sliding_window_models_turn_caching_off():
     for arch, exact in [("llama", True), ("qwen2", True), ("mistral-sliding", False)]:
         model = make_tiny_model(arch)
         assert (prefix_caching_unsupported_reason(model.config) is None) == exact, arch
-        with Engine(model, EngineConfig(num_blocks=8)) as engine:
+        with EngineCore(model, EngineConfig(num_blocks=8)) as engine:
             assert engine.prefix_caching == exact
             assert engine.scheduler.enable_prefix_caching == exact
     gemma2 = make_tiny_model("gemma2")
@@ -135,7 +135,7 @@ def test_sliding_window_models_turn_caching_off():
 
 def test_caching_can_be_turned_off(llama):
     config = EngineConfig(num_blocks=8, enable_prefix_caching=False)
-    with Engine(llama, config) as engine:
+    with EngineCore(llama, config) as engine:
         assert not engine.prefix_caching and not engine.scheduler.enable_prefix_caching
     with pytest.raises(ValueError, match="scheduler_policy"):
         EngineConfig(scheduler_policy="random")
@@ -174,7 +174,7 @@ def test_n_and_priority_are_validated(llama):
     )
     assert len(outputs[0].completions) == 2 and outputs[1].finish_reason == "error"
     assert "priority" in outputs[1].error
-    with Engine(llama, EngineConfig(num_blocks=8)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=8)) as engine:
         with pytest.raises(ValueError, match="generate_batch"):
             engine.add_request([5, 6], SamplingParams(n=2))
         assert not engine.has_unfinished()

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 import cbgen  # noqa: E402
-from cbgen.online import OnlineEngine  # noqa: E402
+from cbgen.online import Engine  # noqa: E402
 from cbgen.server import create_app  # noqa: E402
 
 API_KEY = "test-key"
@@ -69,7 +69,7 @@ def tiny_model(tokenizer):
 @pytest.fixture(scope="module")
 def server():
     tokenizer = smollm2_tokenizer()
-    engine = OnlineEngine(
+    engine = Engine(
         tiny_model(tokenizer),
         tokenizer,
         cbgen.EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),

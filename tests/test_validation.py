@@ -6,7 +6,7 @@ import pytest
 from conftest import random_prompts, reference_greedy
 
 import cbgen
-from cbgen import Engine, EngineConfig, SamplingParams
+from cbgen import EngineConfig, EngineCore, SamplingParams
 
 BAD_PARAMS = [
     (SamplingParams(max_new_tokens=0), "max_new_tokens"),
@@ -22,7 +22,7 @@ BAD_PARAMS = [
 
 @pytest.mark.parametrize(("params", "field"), BAD_PARAMS)
 def test_invalid_sampling_values_are_rejected(llama, params, field):
-    with Engine(llama, EngineConfig(num_blocks=16)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=16)) as engine:
         with pytest.raises(ValueError, match=rf"request 'bad'.*{field}"):
             engine.add_request([5, 6, 7], params, request_id="bad")
         assert not engine.has_unfinished()
@@ -39,13 +39,13 @@ def test_invalid_sampling_values_are_rejected(llama, params, field):
     ],
 )
 def test_invalid_prompts_are_rejected(llama, prompt, message):
-    with Engine(llama, EngineConfig(num_blocks=64, block_size=16)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=64, block_size=16)) as engine:
         with pytest.raises(ValueError, match=rf"request 'r1'.*{message}"):
             engine.add_request(prompt, request_id="r1")
 
 
 def test_prompt_longer_than_cache_is_rejected(llama):
-    with Engine(llama, EngineConfig(num_blocks=4, block_size=4)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=4, block_size=4)) as engine:
         assert engine.max_model_len == 16
         with pytest.raises(ValueError, match="context limit is 16"):
             engine.add_request(list(range(3, 19)))
@@ -54,7 +54,7 @@ def test_prompt_longer_than_cache_is_rejected(llama):
 def test_bad_request_leaves_the_others_untouched(llama):
     prompts = random_prompts(4, 5, 20, seed=11)
     expected = [reference_greedy(llama, p, 12) for p in prompts]
-    with Engine(llama, EngineConfig(num_blocks=64, block_size=8)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=64, block_size=8)) as engine:
         for i, p in enumerate(prompts[:2]):
             engine.add_request(p, SamplingParams(max_new_tokens=12), request_id=str(i))
         engine.step()
@@ -94,7 +94,7 @@ def test_generate_batch_can_skip_bad_requests(llama):
 
 def test_abort_returns_blocks_and_others_finish(llama):
     prompts = random_prompts(3, 20, 30, seed=12)
-    with Engine(llama, EngineConfig(num_blocks=32, block_size=8)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=32, block_size=8)) as engine:
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=40), request_id=str(i))
         engine.step()
@@ -112,7 +112,7 @@ def test_abort_returns_blocks_and_others_finish(llama):
 
 
 def test_close_aborts_abandoned_requests(llama):
-    engine = Engine(llama, EngineConfig(num_blocks=32, block_size=8))
+    engine = EngineCore(llama, EngineConfig(num_blocks=32, block_size=8))
     engine.add_request([5] * 30, SamplingParams(max_new_tokens=50))
     engine.step()
     engine.close()
@@ -132,7 +132,7 @@ def test_stops_and_finish_reasons(llama):
     prompt = [5, 6, 7, 8]
     free_run = reference_greedy(llama, prompt, 10)
     stop_id = free_run[3]
-    with Engine(llama, EngineConfig(num_blocks=32, block_size=8)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=32, block_size=8)) as engine:
         engine.add_request(prompt, SamplingParams(max_new_tokens=10, eos_token_ids=[stop_id]), "s")
         outs = []
         while engine.has_unfinished():
@@ -143,7 +143,7 @@ def test_stops_and_finish_reasons(llama):
 
 
 def test_context_limit_finishes_cleanly(llama):
-    with Engine(llama, EngineConfig(num_blocks=4, block_size=4)) as engine:
+    with EngineCore(llama, EngineConfig(num_blocks=4, block_size=4)) as engine:
         engine.add_request([5] * 10, SamplingParams(max_new_tokens=100, ignore_eos=True), "c")
         outs = []
         while engine.has_unfinished():

@@ -1,6 +1,6 @@
 """The systems under test, each run once over a workload's prompts, returning a raw run.
 
-- ``cbgen``: ``cbgen.Engine`` driven step by step; each request's tokens are timestamped
+- ``cbgen``: ``cbgen.EngineCore`` driven step by step; each request's tokens are timestamped
   as ``step()`` returns them.
 - ``generate``: ``model.generate`` over padded batches of ``generate_batch_size`` prompts
   sorted by length (longest first), left padding and an attention mask; a streamer
@@ -97,14 +97,14 @@ def run_cbgen(
     max_new_tokens: int,
     config: EngineConfig,
 ) -> Run:
-    from ..engine import Engine
+    from ..engine import EngineCore
     from ..sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     times: list[list[float]] = [[] for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
     started = time.perf_counter()
-    with Engine(model, config) as engine:
+    with EngineCore(model, config) as engine:
         setup = time.perf_counter() - started
         for index, prompt in enumerate(prompts):
             engine.add_request(prompt, params, request_id=str(index))

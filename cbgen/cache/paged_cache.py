@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import mmap
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .groups import CacheGroup
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What one attention layer stores per token, as observed by running the model."""
+    """What one attention layer stores per token, as observed by running the model.
+
+    ``sliding_window`` is the window the layer's module passed to the attention
+    function (None: full attention); it decides the layer's cache group.
+    """
 
     num_kv_heads: int
     key_dim: int
     value_dim: int
     dtype: torch.dtype
+    sliding_window: int | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -24,7 +34,7 @@ class LayerSpec:
         return self.num_kv_heads * (self.key_dim + self.value_dim) * itemsize
 
 
-def bytes_per_token(layers: list[LayerSpec]) -> int:
+def bytes_per_token(layers: Sequence[LayerSpec]) -> int:
     return sum(layer.bytes_per_token for layer in layers)
 
 
@@ -77,29 +87,43 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class PagedKVCache:
     """K and V for every layer, each ``[kv_heads, num_blocks, block_size, dim]``.
 
-    Token ``p`` of a request lives in block ``block_ids[p // block_size]`` at
-    offset ``p % block_size``; its flat slot is ``block * block_size + offset``.
-    Heads lead so that gathering a batch's block tables along dim 1 gives each
-    head's keys contiguous per sequence, ready for batched matmuls.
+    Token ``p`` of a request lives in block ``block_ids[p // block_size]`` (the
+    block list of the layer's cache group) at offset ``p % block_size``; its flat
+    slot is ``block * block_size + offset``. Heads lead so that gathering a
+    batch's block tables along dim 1 gives each head's keys contiguous per
+    sequence, ready for batched matmuls.
+
+    With several cache groups, layers of different groups share physical tensors
+    (``cbgen.cache.groups.tensor_layout``): ``keys[layer]`` may be the same tensor
+    for several layers, which never use the same block id at the same time.
     """
 
     def __init__(
         self,
-        layers: list[LayerSpec],
+        layers: Sequence[LayerSpec],
         num_blocks: int,
         block_size: int,
         device: torch.device,
+        groups: Sequence[CacheGroup] | None = None,
     ) -> None:
-        self.layers = layers
+        from .groups import tensor_layout
+
+        self.layers = list(layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        for spec in layers:
+        self.tensor_of_layer, self.tensor_specs = tensor_layout(self.layers, groups)
+        keys, values = [], []
+        for spec in self.tensor_specs:
             shape = (spec.num_kv_heads, num_blocks, block_size)
-            self.keys.append(_zeros((*shape, spec.key_dim), spec.dtype, device))
-            self.values.append(_zeros((*shape, spec.value_dim), spec.dtype, device))
+            keys.append(_zeros((*shape, spec.key_dim), spec.dtype, device))
+            values.append(_zeros((*shape, spec.value_dim), spec.dtype, device))
+        self.keys: list[torch.Tensor] = [keys[t] for t in self.tensor_of_layer]
+        self.values: list[torch.Tensor] = [values[t] for t in self.tensor_of_layer]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_token(self.tensor_specs) * self.block_size
 
     @property
     def num_layers(self) -> int:

@@ -16,7 +16,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .groups import CacheGroup
 
 BlockHash = bytes
 
@@ -57,14 +60,30 @@ def extend_block_hashes(
     return hashes
 
 
-def prefix_caching_unsupported_reason(model_config: Any) -> str | None:
+def prefix_caching_unsupported_reason(
+    model_config: Any, groups: Sequence[CacheGroup] | None = None
+) -> str | None:
     """Why prefix caching would not be exact for this model, or None when it is.
 
-    The engine's probe forward does not see which layers attend through a sliding
-    window, so any model config that enables one (``sliding_window`` set and used
-    by some layer per ``layer_types``, or by every layer when there is no
-    ``layer_types``) turns caching off.
+    Caching shares whole prefixes of full-attention blocks. A sliding-window
+    layer drops its blocks older than the window while a request runs, so a
+    later request could not find the K/V of a cached prefix's last window there:
+    caching is off for any model with a windowed layer.
+
+    ``groups`` are the cache groups the engine's probe found by running the
+    model (the ground truth: the window each attention module passes). Without
+    them the model config decides: ``sliding_window`` set and used by some layer
+    per ``layer_types``, or by every layer when there is no ``layer_types``.
     """
+    if groups is not None:
+        windowed = [g for g in groups if g.window is not None]
+        if not windowed:
+            return None
+        layers = sum(len(g.layers) for g in windowed)
+        total = sum(len(g.layers) for g in groups)
+        windows = sorted({g.window for g in windowed})
+        sizes = ", ".join(str(w) for w in windows)
+        return f"{layers} of {total} layers use a sliding window ({sizes})"
     config = model_config
     get_text_config = getattr(config, "get_text_config", None)
     if callable(get_text_config):

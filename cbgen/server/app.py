@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..online import EngineClosedError, OnlineEngine, OnlineRequestOutput
+from ..online import Engine, EngineClosedError, OnlineRequestOutput
 from ..request import FinishReason
 from ..sampling import SamplingParams
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -112,7 +112,7 @@ class _CountStatus:
 class _Server:
     def __init__(
         self,
-        engine: OnlineEngine,
+        engine: Engine,
         tokenizer: Any,
         model_name: str,
         api_key: str | None,
@@ -576,7 +576,7 @@ class _Server:
 
 
 def create_app(
-    engine: OnlineEngine,
+    engine: Engine,
     tokenizer: Any,
     model_name: str,
     api_key: str | None = None,
@@ -596,7 +596,7 @@ def create_app(
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if engine.tokenizer is None:
-        raise ValueError("the online engine needs the tokenizer (OnlineEngine(model, tokenizer))")
+        raise ValueError("the online engine needs the tokenizer (Engine(model, tokenizer))")
     engine.start()
     server = _Server(engine, tokenizer, model_name, api_key, max_body_bytes, max_choices)
     app = FastAPI(title="cbgen", docs_url=None, redoc_url=None, openapi_url=None)

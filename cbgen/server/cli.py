@@ -51,7 +51,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..models import load_model
-    from ..online import OnlineEngine
+    from ..online import Engine
     from .app import create_app
 
     logging.getLogger("cbgen").setLevel(getattr(logging, args.log_level.upper()))
@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
     )
-    engine = OnlineEngine(model, tokenizer, config)
+    engine = Engine(model, tokenizer, config)
     try:
         app = create_app(
             engine,
