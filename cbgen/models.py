@@ -165,12 +165,18 @@ def _join_chunks(bundle: BundledModel, target: Path) -> Path:
 
 def _convert_gguf(gguf_path: Path, folder: Path) -> None:
     """Write a GGUF model as a plain Hugging Face folder (GGUF models refuse save_pretrained)."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     model, tokenizer = _from_gguf(gguf_path, torch.float32, "cpu")
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        # Keep the tied matrix under the embedding's name: loaders that do not tie
+        # (vLLM) would otherwise find an lm_head and no input embedding.
+        state.pop("lm_head.weight", None)
+    tensors = {name: tensor.contiguous() for name, tensor in state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
