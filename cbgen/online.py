@@ -752,14 +752,32 @@ async def _wait(
         raise TimeoutError("timed out") from None
 
 
-class RequestStream(Iterator[OnlineRequestOutput]):
+class _StreamBase:
+    """What both stream faces share: the request they follow and cancel-on-abandon."""
+
+    def __init__(self, engine: Engine, request_id: str) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._done = False
+
+    def close(self) -> None:
+        """Stop listening; an unfinished request is cancelled."""
+        if not self._done:
+            self._done = True
+            # SimpleQueue.put is reentrant: safe from a finalizer on any thread.
+            self._engine._commands.put((_ABANDON, self.request_id))
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.close()
+
+
+class RequestStream(_StreamBase, Iterator[OnlineRequestOutput]):
     """The deltas of one request (from ``Engine.stream``); cancels it if abandoned."""
 
     def __init__(self, engine: Engine, request_id: str, sink: queue.SimpleQueue) -> None:
-        self._engine = engine
-        self.request_id = request_id
+        super().__init__(engine, request_id)
         self._sink = sink
-        self._done = False
 
     def __iter__(self) -> RequestStream:
         return self
@@ -772,27 +790,13 @@ class RequestStream(Iterator[OnlineRequestOutput]):
             self._done = True
         return delta
 
-    def close(self) -> None:
-        """Stop listening; an unfinished request is cancelled."""
-        if not self._done:
-            self._done = True
-            self._engine._commands.put((_ABANDON, self.request_id))
 
-    def __del__(self) -> None:
-        # SimpleQueue.put is reentrant: safe from a finalizer on any thread.
-        if not getattr(self, "_done", True):
-            self._done = True
-            self._engine._commands.put((_ABANDON, self.request_id))
-
-
-class AsyncRequestStream(AsyncIterator[OnlineRequestOutput]):
+class AsyncRequestStream(_StreamBase, AsyncIterator[OnlineRequestOutput]):
     """The deltas of one request (from ``Engine.stream_async``); cancels it if abandoned."""
 
     def __init__(self, engine: Engine, request_id: str, aqueue: asyncio.Queue) -> None:
-        self._engine = engine
-        self.request_id = request_id
+        super().__init__(engine, request_id)
         self._queue = aqueue
-        self._done = False
 
     def __aiter__(self) -> AsyncRequestStream:
         return self
@@ -807,13 +811,3 @@ class AsyncRequestStream(AsyncIterator[OnlineRequestOutput]):
 
     async def aclose(self) -> None:
         self.close()
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine._commands.put((_ABANDON, self.request_id))
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            self._done = True
-            self._engine._commands.put((_ABANDON, self.request_id))

@@ -181,3 +181,16 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: 
             pad_token_id=model.generation_config.pad_token_id or 0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat through the tokenizer's template, as token ids."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for q in questions
+    ]

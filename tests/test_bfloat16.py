@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, random_prompts
+from conftest import chat_prompts, make_tiny_model, random_prompts
 
 import cbgen
 from cbgen import EngineConfig, SamplingParams
@@ -47,15 +47,7 @@ def test_bfloat16_follows_float32_on_the_bundled_model(smollm2):
         "Suggest a name for a pet turtle.",
         "Describe the taste of a lemon.",
     ]
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        for q in questions
-    ]
+    prompts = chat_prompts(tokenizer, questions)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in cbgen.generate_batch(model32, prompts, params)]
     out = [o.token_ids for o in cbgen.generate_batch(model16, prompts, params)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import ARCHITECTURES, make_tiny_model, random_prompts, reference_greedy
+from conftest import ARCHITECTURES, chat_prompts, make_tiny_model, random_prompts, reference_greedy
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
@@ -107,15 +107,7 @@ def test_bundled_smollm2_16_chat_prompts(smollm2):
         "Suggest a name for a pet turtle.",
         "Describe the taste of a lemon to someone who has never had one.",
     ]
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        for q in questions
-    ]
+    prompts = chat_prompts(tokenizer, questions)
     outputs = _check(model, prompts, 24, EngineConfig(max_batch_tokens=128))
     assert sum(o.finish_reason == "eos" for o in outputs) + sum(
         o.finish_reason == "length" for o in outputs
