@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("fifo", "prefill_first")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -22,6 +23,13 @@ class EngineConfig:
     layers). ``scheduler_policy`` is ``"fifo"`` (decodes first, then prefills, in
     arrival order) or ``"prefill_first"`` (admit new prompts before running
     decodes when memory allows); both honour ``SamplingParams.priority``.
+
+    ``preemption_mode`` says what happens to a request pushed out when the cache
+    is full: ``"recompute"`` drops its K/V and prefills it again later (no extra
+    memory); ``"swap"`` copies its computed blocks into a host swap space of
+    ``swap_space`` bytes and copies them back when it resumes (falls back to
+    recompute while the swap space is full). Swap pays off when prompts are long
+    relative to the copy bandwidth, e.g. on a GPU with a fast host link.
     """
 
     block_size: int = 16
@@ -34,6 +42,8 @@ class EngineConfig:
     scheduler_policy: str = "fifo"
     # Paged decode attention in C++ (built on first use; falls back to torch if it can't be).
     use_native_kernels: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -48,6 +58,12 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.scheduler_policy not in SCHEDULER_POLICIES:
             raise ValueError(
                 f"scheduler_policy must be one of {SCHEDULER_POLICIES}, "

@@ -13,6 +13,7 @@ from .cache.allocator import BlockAllocator
 from .cache.groups import build_groups, max_request_tokens, tensor_layout
 from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
 from .cache.prefix_cache import prefix_caching_unsupported_reason
+from .cache.swap import SwapSpace
 from .config import EngineConfig
 from .kernels import decode_kernel
 from .output import OutputProcessor
@@ -20,7 +21,7 @@ from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling import SamplingParams
-from .scheduler import Scheduler, make_scheduler
+from .scheduler import Scheduler, SchedulerOutput, make_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,13 @@ class EngineCore:
             layers, num_blocks, config.block_size, self.runner.device, self.cache_groups
         )
         self.allocator = BlockAllocator(num_blocks)
+        self.swap_space: SwapSpace | None = None
+        if config.preemption_mode == "swap":
+            swap_blocks = SwapSpace.blocks_for_budget(self.cache, config.swap_space)
+            if swap_blocks > 0:
+                self.swap_space = SwapSpace(self.cache, swap_blocks)
+            else:
+                logger.warning("cbgen: swap_space holds no block; preemption will recompute")
         self.prefix_caching = config.enable_prefix_caching
         if self.prefix_caching:
             reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
@@ -75,6 +83,7 @@ class EngineCore:
             config.max_num_seqs,
             enable_prefix_caching=self.prefix_caching,
             groups=self.cache_groups,
+            swap_blocks=self.swap_space.num_blocks if self.swap_space is not None else 0,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions
         self.batch_builder = BatchBuilder(
@@ -188,17 +197,40 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return an output for every request that got a token."""
         scheduled = self.scheduler.schedule()
+        if scheduled.swap_out or scheduled.swap_in:
+            self._move_blocks(scheduled)
         if scheduled.is_empty:
             return []
         batch = self.batch_builder.build(scheduled)
         logits = self.runner.execute(batch)
         requests = [chunk.request for chunk in batch.sampled_chunks]
-        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
-        outputs, finished = self.output_processor.process(scheduled, tokens)
+        params = [r.params for r in requests]
+        histories = None
+        if any(p.logits_processors for p in params):
+            histories = [r.token_ids for r in requests]
+        sampled = self.sampler(logits, params, [r.generator for r in requests], histories)
+        outputs, finished = self.output_processor.process(scheduled, sampled.tokens, sampled.errors)
         for request, reason in finished:
             self.scheduler.finish(request, reason)
             self._requests.pop(request.request_id, None)
         return outputs
+
+    def _move_blocks(self, scheduled: SchedulerOutput) -> None:
+        """Run the step's swap copies, outs before ins (a swap-in may reuse a block
+        a swap-out reads). A failed copy costs only its own request: it is recomputed."""
+        swap = self.swap_space
+        assert swap is not None
+        copies = [(m, swap.copy_out, m.device_blocks, m.host_blocks) for m in scheduled.swap_out]
+        copies += [(m, swap.copy_in, m.host_blocks, m.device_blocks) for m in scheduled.swap_in]
+        for move, copy, src, dst in copies:
+            try:
+                copy(src, dst)
+            except Exception:
+                logger.exception(
+                    "cbgen: a swap copy of request %r failed; it will be recomputed",
+                    move.request.request_id,
+                )
+                self.scheduler.swap_failed(move, scheduled)
 
     # -- lifetime -----------------------------------------------------------------------
 

@@ -20,9 +20,16 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def process(
-        self, scheduled: SchedulerOutput, sampled_tokens: list[int]
+        self,
+        scheduled: SchedulerOutput,
+        sampled_tokens: list[int],
+        errors: dict[int, str] | None = None,
     ) -> tuple[list[RequestOutput], list[tuple[Request, FinishReason]]]:
-        """Returns the per-request outputs of this step and the requests to retire."""
+        """Returns the per-request outputs of this step and the requests to retire.
+
+        ``errors`` maps a sampled row to why it has no token (a failed logits
+        processor): that request finishes with ``"error"`` and no new token.
+        """
         for chunk in scheduled.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs: list[RequestOutput] = []
@@ -32,7 +39,21 @@ class OutputProcessor:
             for c in scheduled.chunks
             if c.request.num_computed_tokens == c.request.num_tokens
         ]
-        for request, token in zip(sampled, sampled_tokens, strict=True):
+        for row, (request, token) in enumerate(zip(sampled, sampled_tokens, strict=True)):
+            if errors and row in errors:
+                finished.append((request, FinishReason.ERROR))
+                outputs.append(
+                    RequestOutput(
+                        request_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        token_ids=request.output_token_ids,
+                        finished=True,
+                        finish_reason=FinishReason.ERROR,
+                        error=errors[row],
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+                continue
             request.token_ids.append(token)
             reason = self._finish_reason(request, token)
             if reason is not None:

@@ -13,6 +13,7 @@ from .sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its K/V copied to the host swap space
     FINISHED = "finished"
 
 
@@ -22,7 +23,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens reached
     CONTEXT_LIMIT = "context_limit"  # the model's (or the cache's) context is full
     ABORTED = "aborted"  # cancelled by the caller
-    ERROR = "error"  # rejected at admission (only reported, never scheduled)
+    ERROR = "error"  # rejected at admission, or failed in a step (``RequestOutput.error`` says why)
 
     def __str__(self) -> str:
         return self.value

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from .sampling import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row; ``errors`` maps a row whose logits processor failed to why
+    (its token is meaningless)."""
+
+    tokens: list[int]
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -19,14 +30,20 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
+    @torch.inference_mode()
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-    ) -> list[int]:
+        histories: list[list[int]] | None = None,
+    ) -> SamplerOutput:
+        """``histories`` (each row's token ids so far) feed the rows' logits processors."""
         if logits.shape[0] == 0:
-            return []
+            return SamplerOutput([])
+        errors: dict[int, str] = {}
+        if any(p.logits_processors for p in params):
+            errors = _apply_processors(logits, params, histories)
         tokens = torch.argmax(logits, dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
@@ -37,7 +54,7 @@ class Sampler:
                 [generators[i] for i in sampled_rows],
             )
             tokens.index_copy_(0, rows, drawn)
-        return tokens.tolist()
+        return SamplerOutput(tokens.tolist(), errors)
 
     def _sample(
         self,
@@ -68,3 +85,34 @@ class Sampler:
         if needs_filter:
             choice = order.gather(1, choice.unsqueeze(1)).squeeze(1)
         return choice
+
+
+def _apply_processors(
+    logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None
+) -> dict[int, str]:
+    """Run each row's logits processors in place; a failing row is reported, not raised.
+
+    A failed row's logits become a harmless finite row so the batched sampling
+    below cannot trip over what the processor left behind.
+    """
+    if histories is None:
+        raise ValueError("logits processors need the rows' token histories")
+    errors: dict[int, str] = {}
+    for row, p in enumerate(params):
+        if not p.logits_processors:
+            continue
+        values = logits[row]
+        try:
+            for processor in p.logits_processors:
+                values = processor(histories[row], values)
+                if not isinstance(values, torch.Tensor) or values.shape != logits[row].shape:
+                    raise ValueError(
+                        f"returned {type(values).__name__} "
+                        f"{tuple(getattr(values, 'shape', ()))}, expected a tensor of shape "
+                        f"{tuple(logits[row].shape)}"
+                    )
+            logits[row] = values
+        except Exception as exc:
+            errors[row] = f"logits processor {processor!r} failed: {type(exc).__name__}: {exc}"
+            logits[row] = 0.0
+    return errors

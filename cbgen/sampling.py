@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+"""``processor(token_ids, logits) -> logits``: ``token_ids`` are the request's prompt and
+generated tokens so far, ``logits`` its float32 row ``[vocab]`` for the next token."""
 
 
 @dataclass
@@ -24,6 +30,11 @@ class SamplingParams:
     ``priority`` orders the scheduler's queue: lower values are served first,
     ties by arrival, and under memory pressure the highest value (then the
     newest request) is preempted first.
+
+    ``logits_processors`` run in order on the request's logits row before it is
+    sampled (greedy included), each getting the token ids so far (see
+    ``LogitsProcessor``). One that raises, or returns a tensor of another shape,
+    finishes only its own request, with finish reason ``"error"`` and the message.
     """
 
     max_new_tokens: int = 128
@@ -35,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     priority: int = 0
+    logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +74,9 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an int (lower runs first), got {self.priority!r}")
+        for processor in self.logits_processors:
+            if not callable(processor):
+                raise ValueError(f"logits_processors must hold callables, got {processor!r}")
         for token_id in self.eos_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"eos_token_ids must hold non-negative ints, got {token_id!r}")

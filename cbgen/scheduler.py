@@ -10,6 +10,13 @@ Both honour ``SamplingParams.priority``: the waiting queue and each phase are or
 ``(priority, arrival)``, and the preemption victim is the running request with the
 highest such key (lowest priority, then newest).
 
+Preemption frees a request's blocks for others. By default (recompute) its K/V is
+dropped and recomputed when it is admitted again; with a swap space
+(``swap_blocks > 0``) its computed blocks are copied to host memory instead (the
+scheduler lists the copies in ``SchedulerOutput.swap_out``) and copied back when it
+resumes (``swap_in``), before new requests are admitted. When the swap space is full
+the victim falls back to recompute.
+
 With prefix caching on, admission looks up the chain hashes of the request's full
 blocks (``cbgen.cache.prefix_cache``) and takes every cached block of its prefix by
 reference instead of computing it again.
@@ -53,9 +60,24 @@ class ScheduledChunk:
 
 
 @dataclass
+class BlockMove:
+    """A swap copy: ``device_blocks[i]`` <-> ``host_blocks[i]`` for ``request``."""
+
+    request: Request
+    device_blocks: list[int]
+    host_blocks: list[int]
+
+
+@dataclass
 class SchedulerOutput:
+    """One step's decisions. The block copies must run before the step's forward pass:
+    every ``swap_out`` first (they read blocks this step may hand to others), then
+    every ``swap_in``."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[BlockMove] = field(default_factory=list)
+    swap_in: list[BlockMove] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +153,7 @@ class Scheduler:
         *,
         enable_prefix_caching: bool = True,
         groups: Sequence[CacheGroup] | None = None,
+        swap_blocks: int = 0,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
@@ -143,11 +166,20 @@ class Scheduler:
         self._more_tables: dict[Request, list[list[int]]] = {}  # groups 1.. of each request
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # sorted by (priority, arrival)
+        # The host swap space's block ids (None: preemption always recomputes).
+        self.host_allocator = BlockAllocator(swap_blocks) if swap_blocks > 0 else None
+        self._host_tables: dict[Request, list[list[int]]] = {}  # swapped requests' host blocks
+        # Host blocks of last step's swap-ins: freed only once those copies have run.
+        self._host_blocks_in_use: list[int] = []
         self.stats: dict[str, int] = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "cached_tokens": 0,
             "preemptions": 0,
+            "swapped_out": 0,
+            "swapped_in": 0,
+            "swap_failures": 0,
         }
 
     # -- queue management -------------------------------------------------------------
@@ -157,11 +189,11 @@ class Scheduler:
         insort(self.waiting, request, key=_key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Retire a request (finished, aborted): drop it from its queue and free its blocks."""
@@ -169,9 +201,24 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self._release_host(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._free_swapped_in()  # the step that read them is over
+
+    def _free_swapped_in(self) -> None:
+        """Free the host blocks of the last step's swap-ins, whose copies have run by now.
+
+        They are kept until the next ``schedule`` (or ``finish``, called after the step)
+        so that no swap-out of the step that read them can overwrite them.
+        """
+        if self._host_blocks_in_use:
+            assert self.host_allocator is not None
+            self.host_allocator.free(self._host_blocks_in_use)
+            self._host_blocks_in_use = []
 
     # -- the step ---------------------------------------------------------------------
 
@@ -182,6 +229,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._free_swapped_in()
         if self.enable_prefix_caching:
             for request in self.running:
                 self._cache_computed_blocks(request)
@@ -198,7 +246,15 @@ class Scheduler:
             elif phase == PREFILL:
                 self._schedule_running(prefilling, step, out)
             elif not out.preempted:  # the cache is full: admitting more would only thrash
-                self._admit(step, out, decoding)
+                reserve = sum(
+                    self._blocks_needed(r, 1)
+                    for r in decoding
+                    if r.status is RequestStatus.RUNNING and id(r) not in step.scheduled
+                )
+                if self.swapped:
+                    self._resume(step, out, reserve)
+                if not self.swapped:  # swapped requests come back before new ones start
+                    self._admit(step, out, reserve)
         self._count(out)
         return out
 
@@ -215,13 +271,8 @@ class Scheduler:
             step.scheduled.add(id(request))
             step.budget -= num_tokens
 
-    def _admit(self, step: _Step, out: SchedulerOutput, decoding: list[Request]) -> None:
-        # Blocks the decodes still to run this step will need: admission leaves them.
-        reserve = sum(
-            self._blocks_needed(r, 1)
-            for r in decoding
-            if r.status is RequestStatus.RUNNING and id(r) not in step.scheduled
-        )
+    def _admit(self, step: _Step, out: SchedulerOutput, reserve: int) -> None:
+        """Start waiting requests; ``reserve`` blocks stay free for this step's decodes."""
         bs = self.block_size
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -252,6 +303,89 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num_tokens))
             step.scheduled.add(id(request))
             step.budget -= num_tokens
+
+    # -- swap -------------------------------------------------------------------------
+
+    def _resume(self, step: _Step, out: SchedulerOutput, reserve: int) -> None:
+        """Bring swapped requests back (queue order) while their blocks fit."""
+        bs = self.block_size
+        while self.swapped and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            host_tables = self._host_tables[request]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            total = -(-(request.num_computed_tokens + num_tokens) // bs)
+            needed = sum(
+                sum(1 for b in table if b >= 0) + max(0, total - len(table))
+                for table in host_tables
+            )
+            if needed + reserve > self.allocator.num_free:
+                break
+            self.swapped.pop(0)
+            del self._host_tables[request]
+            move = BlockMove(request, [], [])
+            device_tables = []
+            for table in host_tables:
+                device = [-1] * len(table)
+                live = [i for i, b in enumerate(table) if b >= 0]
+                for i, block in zip(live, self.allocator.allocate(len(live)), strict=True):
+                    device[i] = block
+                    move.device_blocks.append(block)
+                    move.host_blocks.append(table[i])
+                device_tables.append(device)
+            request.block_ids = device_tables[0]
+            if len(device_tables) > 1:
+                self._more_tables[request] = device_tables[1:]
+            self._host_blocks_in_use.extend(move.host_blocks)
+            out.swap_in.append(move)
+            request.num_cached_blocks = 0
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._grow(request, num_tokens)
+            out.chunks.append(self._chunk(request, num_tokens))
+            step.scheduled.add(id(request))
+            step.budget -= num_tokens
+            self.stats["swapped_in"] += 1
+
+    def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
+        """Copy ``request``'s computed blocks to the swap space; False if they do not fit."""
+        host = self.host_allocator
+        if host is None or request.num_computed_tokens == 0:
+            return False
+        computed = -(-request.num_computed_tokens // self.block_size)
+        tables = [table[:computed] for table in self.block_tables(request)]
+        device_blocks = [b for table in tables for b in table if b >= 0]
+        if len(device_blocks) > host.num_free:
+            return False
+        host_blocks = host.allocate(len(device_blocks))
+        take = iter(host_blocks)
+        self._host_tables[request] = [
+            [next(take) if b >= 0 else -1 for b in table] for table in tables
+        ]
+        out.swap_out.append(BlockMove(request, device_blocks, host_blocks))
+        self.stats["swapped_out"] += 1
+        return True
+
+    def swap_failed(self, move: BlockMove, out: SchedulerOutput) -> None:
+        """A copy of ``move`` failed: its request is recomputed instead, leaking nothing.
+
+        Called before the step runs. The request leaves this step (its chunk is
+        dropped), gives back every device and host block it holds and waits to be
+        prefilled again from its tokens.
+        """
+        request = move.request
+        self.stats["swap_failures"] += 1
+        out.chunks = [c for c in out.chunks if c.request is not request]
+        if request.status is RequestStatus.RUNNING:  # a failed swap-in
+            self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:  # a failed swap-out
+            self.swapped.remove(request)
+            self._release_host(request)
+        else:
+            return  # already finished or requeued: nothing of it is left
+        request.num_computed_tokens = 0  # nothing it holds is valid K/V any more
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        insort(self.waiting, request, key=_key)
 
     # -- prefix caching ---------------------------------------------------------------
 
@@ -350,11 +484,16 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        swapped = self._swap_out(request, out)
         self._release(request)
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
-        insort(self.waiting, request, key=_key)
+        if swapped:  # keeps num_computed_tokens: its K/V comes back with it
+            request.status = RequestStatus.SWAPPED
+            insort(self.swapped, request, key=_key)
+        else:
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            insort(self.waiting, request, key=_key)
         out.preempted.append(request)
         self.stats["preemptions"] += 1
 
@@ -367,6 +506,13 @@ class Scheduler:
         request.block_ids = []
         self._more_tables.pop(request, None)
         request.num_cached_blocks = 0
+
+    def _release_host(self, request: Request) -> None:
+        """Free the swap-space blocks of a swapped request."""
+        host_tables = self._host_tables.pop(request, None)
+        if host_tables is not None:
+            assert self.host_allocator is not None
+            self.host_allocator.free(b for table in host_tables for b in table if b >= 0)
 
     def _count(self, out: SchedulerOutput) -> None:
         for chunk in out.chunks:
@@ -410,6 +556,7 @@ def make_scheduler(
     *,
     enable_prefix_caching: bool = True,
     groups: Sequence[CacheGroup] | None = None,
+    swap_blocks: int = 0,
 ) -> Scheduler:
     """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``)."""
     try:
@@ -425,4 +572,5 @@ def make_scheduler(
         max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
         groups=groups,
+        swap_blocks=swap_blocks,
     )

@@ -13,7 +13,7 @@ from cbgen.sampler import Sampler
 def _draw(params: SamplingParams, logits: torch.Tensor, rows: int, seed: int = 0) -> torch.Tensor:
     sampler = Sampler(torch.Generator().manual_seed(seed))
     batch = logits.expand(rows, -1).contiguous()
-    return torch.tensor(sampler(batch, [params] * rows, [None] * rows))
+    return torch.tensor(sampler(batch, [params] * rows, [None] * rows).tokens)
 
 
 LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2]])
@@ -23,7 +23,7 @@ def test_greedy_rows_take_the_argmax():
     sampler = Sampler()
     logits = torch.randn(5, 50)
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1)] * 2 + [SamplingParams()]
-    assert sampler(logits, params, [None] * 5) == logits.argmax(-1).tolist()
+    assert sampler(logits, params, [None] * 5).tokens == logits.argmax(-1).tolist()
 
 
 def test_temperature_sampling_follows_the_softmax():
@@ -59,7 +59,7 @@ def test_mixed_rows_use_their_own_settings():
         SamplingParams(temperature=5.0),
     ]
     for _ in range(50):
-        tokens = sampler(logits, params, [None] * 4)
+        tokens = sampler(logits, params, [None] * 4).tokens
         assert tokens[0] == 0 and tokens[1] in (0, 1) and tokens[2] in (0, 1, 2)
 
 

@@ -34,6 +34,7 @@ class FakeModel:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.kv: dict[int, int] = {}  # flat slot -> fingerprint of the prefix it encodes
+        self.host_kv: dict[int, int] = {}  # the same for the swap space's slots
         self.prefix_ids: dict[int, list[int]] = {}  # id(request) -> fingerprint per position
 
     def _fingerprints(self, request: Request) -> list[int]:
@@ -46,7 +47,17 @@ class FakeModel:
         block = request.block_ids[position // self.block_size]
         return block * self.block_size + position % self.block_size
 
+    def _copy(self, src: dict, dst: dict, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        bs = self.block_size
+        for a, b in zip(src_blocks, dst_blocks, strict=True):
+            for offset in range(bs):
+                dst[b * bs + offset] = src.get(a * bs + offset)
+
     def run(self, out: SchedulerOutput) -> None:
+        for move in out.swap_out:  # outs before ins, as the engine does
+            self._copy(self.kv, self.host_kv, move.device_blocks, move.host_blocks)
+        for move in out.swap_in:
+            self._copy(self.host_kv, self.kv, move.host_blocks, move.device_blocks)
         for chunk in out.chunks:
             request = chunk.request
             ids = self._fingerprints(request)
@@ -81,6 +92,15 @@ def _check_blocks(scheduler: Scheduler) -> None:
     assert allocator.num_free + len(holders) == allocator.num_blocks, "a block leaked"
     for r in scheduler.waiting:
         assert r.block_ids == [] and r.num_computed_tokens == 0
+    for r in scheduler.swapped:
+        assert r.status is RequestStatus.SWAPPED and r.block_ids == []
+        assert r.num_computed_tokens > 0
+    host = scheduler.host_allocator
+    if host is not None:
+        host.check_invariants()
+        held = sum(b >= 0 for t in scheduler._host_tables.values() for b in t[0])
+        in_use = len(scheduler._host_blocks_in_use)
+        assert host.num_free + held + in_use == host.num_blocks, "a host block leaked"
 
 
 def _check_chunk_writes(scheduler: Scheduler, chunk: ScheduledChunk, block_size: int) -> None:
@@ -120,9 +140,10 @@ def workloads(draw):
     extra_blocks=st.integers(0, 40),
     max_batch_tokens=st.integers(1, 64),
     max_num_seqs=st.integers(1, 8),
+    swap_blocks=st.sampled_from([0, 0, 3, 64]),
 )
 def test_every_request_finishes_without_leaks(
-    requests, policy, caching, block_size, extra_blocks, max_batch_tokens, max_num_seqs
+    requests, policy, caching, block_size, extra_blocks, max_batch_tokens, max_num_seqs, swap_blocks
 ):
     longest = max(len(p) + n for p, n, _, _ in requests)
     # The engine guarantees one request alone always fits in the cache.
@@ -135,6 +156,7 @@ def test_every_request_finishes_without_leaks(
         max_batch_tokens,
         max_num_seqs,
         enable_prefix_caching=caching,
+        swap_blocks=swap_blocks,
     )
     model = FakeModel(block_size)
     pending = [
@@ -169,10 +191,12 @@ def test_every_request_finishes_without_leaks(
     assert finished == len(requests)
     assert allocator.num_free == num_blocks
     allocator.check_invariants()
+    if swap_blocks:
+        assert scheduler.host_allocator.num_free == swap_blocks, "host blocks leaked"
     stats = scheduler.stats
     if not caching:
         assert stats["cached_tokens"] == 0 and allocator.num_evictable == 0
-    event(f"preempted: {stats['preemptions'] > 0}")
+    event(f"preempted: {stats['preemptions'] > 0}, swapped: {stats['swapped_out'] > 0}")
     event(f"cache hits: {stats['cached_tokens'] > 0}, evictions: {allocator.num_evictions > 0}")
     computed = stats["decode_tokens"] + stats["prefill_tokens"] + stats["cached_tokens"]
     assert computed >= sum(len(p) for p, *_ in requests)

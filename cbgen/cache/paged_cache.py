@@ -118,6 +118,8 @@ class PagedKVCache:
             shape = (spec.num_kv_heads, num_blocks, block_size)
             keys.append(_zeros((*shape, spec.key_dim), spec.dtype, device))
             values.append(_zeros((*shape, spec.value_dim), spec.dtype, device))
+        # Each physical tensor once (layers of different groups may share one).
+        self.block_tensors: list[torch.Tensor] = keys + values
         self.keys: list[torch.Tensor] = [keys[t] for t in self.tensor_of_layer]
         self.values: list[torch.Tensor] = [values[t] for t in self.tensor_of_layer]
 
