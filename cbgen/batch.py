@@ -23,6 +23,10 @@ class StepBatch:
     logits_indices: torch.Tensor  # [samples] rows whose logits are sampled
     attention: AttentionMetadata
     sampled_chunks: list[ScheduledChunk]  # one per logits row, same order
+    # Async scheduling: input rows holding a placeholder, and the row of the previous
+    # step's samples whose token goes there (filled on the device before the forward).
+    carry_rows: torch.Tensor | None = None
+    carry_sources: torch.Tensor | None = None
 
 
 class _GroupLists:
@@ -71,6 +75,7 @@ class BatchBuilder:
         logits_indices: list[int] = []
         sampled: list[ScheduledChunk] = []
         decode_rows: list[int] = []
+        carry: list[tuple[int, int]] = []
         prefill_spans: list[tuple[int, int, int]] = []
         lists = [_GroupLists(group) for group in self.groups]
 
@@ -79,6 +84,9 @@ class BatchBuilder:
             start, count = chunk.start, chunk.num_tokens
             row = len(input_ids)
             input_ids.extend(request.token_ids[start : start + count])
+            pending = request.pending_index
+            if pending is not None and start <= pending < start + count:
+                carry.append((row + pending - start, request.pending_row))
             positions.extend(range(start, start + count))
             tables = chunk.block_tables or [request.block_ids]
             context_len = start + count
@@ -128,13 +136,18 @@ class BatchBuilder:
         for row, count, context_len in prefill_spans:
             metadata.prefills.append(self._prefill_span(row, count, context_len))
 
-        return StepBatch(
+        batch = StepBatch(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             attention=metadata,
             sampled_chunks=sampled,
         )
+        if carry:
+            rows, sources = zip(*carry, strict=True)
+            batch.carry_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            batch.carry_sources = torch.tensor(sources, dtype=torch.long, device=device)
+        return batch
 
     def _group_tables(self, lists: _GroupLists) -> GroupTables:
         device = self.device

@@ -30,6 +30,13 @@ class EngineConfig:
     ``swap_space`` bytes and copies them back when it resumes (falls back to
     recompute while the swap space is full). Swap pays off when prompts are long
     relative to the copy bandwidth, e.g. on a GPU with a fast host link.
+
+    ``async_scheduling`` runs the forward passes on a worker thread: while step
+    ``N`` runs, the engine schedules and builds step ``N + 1`` (whose inputs take
+    step ``N``'s sampled tokens on the device, a placeholder id standing in on the
+    host) and hands out step ``N - 1``'s outputs. Outputs are identical to the
+    synchronous loop; a request that stops at step ``N`` has one wasted token in
+    step ``N + 1``.
     """
 
     block_size: int = 16
@@ -44,6 +51,7 @@ class EngineConfig:
     use_native_kernels: bool = True
     preemption_mode: str = "recompute"
     swap_space: int = 1 << 30
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
 
 import torch
 
-from .batch import BatchBuilder
+from .batch import BatchBuilder, StepBatch
 from .cache.allocator import BlockAllocator
 from .cache.groups import build_groups, max_request_tokens, tensor_layout
 from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
@@ -16,10 +18,10 @@ from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .cache.swap import SwapSpace
 from .config import EngineConfig
 from .kernels import decode_kernel
-from .output import OutputProcessor
+from .output import OutputProcessor, PendingSamples
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
-from .sampler import Sampler
+from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, make_scheduler
 
@@ -104,6 +106,8 @@ class EngineCore:
         self.output_processor = OutputProcessor(_model_eos_ids(model), self.max_model_len)
         self.vocab_size = self.runner.vocab_size
         self._requests: dict[str, Request] = {}
+        self._in_flight: _InFlight | None = None  # async scheduling: the launched step
+        self._executor: futures.ThreadPoolExecutor | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         logger.info(
@@ -186,7 +190,7 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
     @property
     def num_unfinished(self) -> int:
@@ -195,25 +199,82 @@ class EngineCore:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return an output for every request that got a token."""
+        """Run one forward pass; return an output for every request that got a token.
+
+        With ``async_scheduling`` the step launches its forward pass on the
+        engine's worker thread and returns the outputs of the previous step, so
+        this step's scheduling and the caller's handling of the outputs overlap
+        the next forward pass.
+        """
         scheduled = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        in_flight = self._in_flight
+        if in_flight is not None and (scheduled.is_empty or _needs_settled_tokens(scheduled)):
+            # Swap copies and logits processors want every token known: settle first.
+            self._in_flight = None
+            outputs = self._settle(in_flight.pending, in_flight.future.result())
+            in_flight = None
+            _drop_finished(scheduled)
         if scheduled.swap_out or scheduled.swap_in:
             self._move_blocks(scheduled)
         if scheduled.is_empty:
-            return []
+            return outputs
         batch = self.batch_builder.build(scheduled)
-        logits = self.runner.execute(batch)
         requests = [chunk.request for chunk in batch.sampled_chunks]
         params = [r.params for r in requests]
+        generators = [r.generator for r in requests]
         histories = None
         if any(p.logits_processors for p in params):
-            histories = [r.token_ids for r in requests]
-        sampled = self.sampler(logits, params, [r.generator for r in requests], histories)
-        outputs, finished = self.output_processor.process(scheduled, sampled.tokens, sampled.errors)
+            histories = [list(r.token_ids) for r in requests]
+        if not self.config.async_scheduling:
+            sampled = self._forward(batch, params, generators, histories, None)
+            return self._settle(self.output_processor.advance(scheduled), sampled)
+        pending = self.output_processor.advance(scheduled)
+        previous = in_flight.future if in_flight is not None else None
+        future = self._worker().submit(
+            self._forward, batch, params, generators, histories, previous
+        )
+        self._in_flight = _InFlight(pending, future)
+        if in_flight is not None:
+            try:
+                sampled = in_flight.future.result()
+            except BaseException:
+                self._in_flight = None
+                futures.wait([future])  # it reads the failed step's tokens: let it end
+                raise
+            outputs = self._settle(in_flight.pending, sampled)
+        return outputs
+
+    def _forward(
+        self,
+        batch: StepBatch,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        histories: list[list[int]] | None,
+        previous: futures.Future[SamplerOutput] | None,
+    ) -> SamplerOutput:
+        """The device half of a step: carried tokens in, forward pass, sampling."""
+        if batch.carry_rows is not None:
+            assert previous is not None and batch.carry_sources is not None
+            tokens = previous.result().token_tensor
+            assert tokens is not None
+            batch.input_ids[0].index_copy_(
+                0, batch.carry_rows, tokens.index_select(0, batch.carry_sources)
+            )
+        logits = self.runner.execute(batch)
+        return self.sampler(logits, params, generators, histories)
+
+    def _settle(self, pending: PendingSamples, sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs, finished = self.output_processor.resolve(pending, sampled.tokens, sampled.errors)
         for request, reason in finished:
             self.scheduler.finish(request, reason)
             self._requests.pop(request.request_id, None)
         return outputs
+
+    def _worker(self) -> futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="cbgen-forward")
+        return self._executor
 
     def _move_blocks(self, scheduled: SchedulerOutput) -> None:
         """Run the step's swap copies, outs before ins (a swap-in may reuse a block
@@ -236,6 +297,12 @@ class EngineCore:
 
     def close(self) -> None:
         """Abort what is left and give the model its own attention implementation back."""
+        if self._in_flight is not None:
+            futures.wait([self._in_flight.future])
+            self._in_flight = None
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
         for request_id in list(self._requests):
             self.abort(request_id)
         self.runner.close()
@@ -249,6 +316,28 @@ class EngineCore:
     def request_status(self, request_id: str) -> RequestStatus | None:
         request = self._requests.get(request_id)
         return request.status if request is not None else None
+
+
+@dataclass
+class _InFlight:
+    """A launched step (async scheduling): what it samples for, and its result to come."""
+
+    pending: PendingSamples
+    future: futures.Future[SamplerOutput]
+
+
+def _needs_settled_tokens(scheduled: SchedulerOutput) -> bool:
+    """Whether a step must wait for the step in flight before it is built."""
+    if scheduled.swap_out or scheduled.swap_in:
+        return True
+    return any(c.request.params.logits_processors for c in scheduled.chunks)
+
+
+def _drop_finished(scheduled: SchedulerOutput) -> None:
+    """Forget the parts of a planned step whose requests finished meanwhile."""
+    scheduled.chunks = [c for c in scheduled.chunks if not c.request.is_finished]
+    scheduled.swap_out = [m for m in scheduled.swap_out if not m.request.is_finished]
+    scheduled.swap_in = [m for m in scheduled.swap_in if not m.request.is_finished]
 
 
 def _model_context_limit(model: torch.nn.Module) -> int | None:

@@ -1,13 +1,36 @@
-"""Apply sampled tokens to requests and decide which requests are done."""
+"""Apply a step to its requests: advance them when it is launched, settle them when its
+tokens are known, and decide which requests are done."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .request import FinishReason, Request, RequestOutput
 from .scheduler import SchedulerOutput
 
+PLACEHOLDER_TOKEN = 0
+"""Stands in for a token still being sampled (async scheduling): the next step's input
+row gets the real id on the device, and ``resolve`` writes it into ``token_ids``."""
+
+
+@dataclass
+class PendingSamples:
+    """The requests a launched step samples for, in logits-row order, and where each
+    request's placeholder sits in its ``token_ids``."""
+
+    requests: list[Request]
+    positions: list[int]
+
 
 class OutputProcessor:
-    """The only place that changes a request after a step.
+    """The only place that changes a request's tokens after scheduling.
+
+    A step is applied in two halves. ``advance`` runs when the step is launched:
+    it counts the step's tokens as computed and appends a placeholder for every
+    token the step samples, so the scheduler can plan the next step before this
+    one is done (async scheduling). ``resolve`` runs when the sampled ids are
+    known: it writes them over the placeholders and applies the stop rules. The
+    synchronous loop calls the two back to back.
 
     ``model_eos_ids`` are the model's own end-of-sequence ids (finish reason
     ``eos``); a request's ``eos_token_ids`` add stop ids (``stop``).
@@ -19,67 +42,79 @@ class OutputProcessor:
         self.model_eos_ids = model_eos_ids
         self.max_model_len = max_model_len
 
-    def process(
+    def advance(self, scheduled: SchedulerOutput) -> PendingSamples:
+        # Decide which chunks sample before counting them: ``completes_sequence``
+        # compares the chunk's end with the request's (pre-step) token count.
+        sampled = [c.request for c in scheduled.chunks if c.completes_sequence]
+        for chunk in scheduled.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        positions = []
+        for row, request in enumerate(sampled):
+            positions.append(len(request.token_ids))
+            request.token_ids.append(PLACEHOLDER_TOKEN)
+            request.pending_index = positions[-1]
+            request.pending_row = row
+        return PendingSamples(sampled, positions)
+
+    def resolve(
         self,
-        scheduled: SchedulerOutput,
+        pending: PendingSamples,
         sampled_tokens: list[int],
         errors: dict[int, str] | None = None,
     ) -> tuple[list[RequestOutput], list[tuple[Request, FinishReason]]]:
-        """Returns the per-request outputs of this step and the requests to retire.
+        """Returns the per-request outputs of the step and the requests to retire.
 
         ``errors`` maps a sampled row to why it has no token (a failed logits
         processor): that request finishes with ``"error"`` and no new token.
+        Requests that finished (or were aborted) after the step was launched are
+        skipped: with async scheduling a request can be in the next step already
+        when this one tells it to stop, and that extra token is dropped.
         """
-        for chunk in scheduled.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
         outputs: list[RequestOutput] = []
         finished: list[tuple[Request, FinishReason]] = []
-        sampled = [
-            c.request
-            for c in scheduled.chunks
-            if c.request.num_computed_tokens == c.request.num_tokens
-        ]
-        for row, (request, token) in enumerate(zip(sampled, sampled_tokens, strict=True)):
-            if errors and row in errors:
-                finished.append((request, FinishReason.ERROR))
-                outputs.append(
-                    RequestOutput(
-                        request_id=request.request_id,
-                        prompt_token_ids=request.prompt_token_ids,
-                        token_ids=request.output_token_ids,
-                        finished=True,
-                        finish_reason=FinishReason.ERROR,
-                        error=errors[row],
-                        num_cached_tokens=request.num_cached_tokens,
-                    )
-                )
+        rows = zip(pending.requests, pending.positions, sampled_tokens, strict=True)
+        for row, (request, position, token) in enumerate(rows):
+            if request.pending_index == position:
+                request.pending_index = None
+            if request.is_finished:
                 continue
-            request.token_ids.append(token)
-            reason = self._finish_reason(request, token)
+            error = errors.get(row) if errors else None
+            if error is not None:
+                reason: FinishReason | None = FinishReason.ERROR
+                del request.token_ids[position:]
+                end = position
+            else:
+                request.token_ids[position] = token
+                reason = self._finish_reason(request, token, position)
+                end = position + 1
+                if reason is not None:
+                    del request.token_ids[end:]  # tokens planned past the end
             if reason is not None:
+                request.pending_index = None
                 finished.append((request, reason))
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
-                    token_ids=request.output_token_ids,
+                    token_ids=request.token_ids[request.num_prompt_tokens : end],
                     finished=reason is not None,
                     finish_reason=reason,
-                    new_token_ids=[token],
+                    new_token_ids=[] if error is not None else [token],
+                    error=error,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs, finished
 
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+    def _finish_reason(self, request: Request, token: int, position: int) -> FinishReason | None:
         params = request.params
         if not params.ignore_eos:
             if token in self.model_eos_ids:
                 return FinishReason.EOS
             if token in params.eos_token_ids:
                 return FinishReason.STOP
-        if request.num_output_tokens >= params.max_new_tokens:
+        if position + 1 - request.num_prompt_tokens >= params.max_new_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if position + 1 >= self.max_model_len:
             return FinishReason.CONTEXT_LIMIT
         return None

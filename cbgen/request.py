@@ -43,6 +43,9 @@ class Request:
     the prefix cache (taken from it at admission or registered once computed).
     ``num_cached_tokens`` is how many prompt tokens the first admission took
     from the cache instead of computing them.
+
+    With async scheduling the last entry of ``token_ids`` may be a placeholder for
+    a token still being sampled (``pending_index``); see ``cbgen.output``.
     """
 
     request_id: str
@@ -59,6 +62,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int = 0
+    # Async scheduling: where the placeholder of a token being sampled sits in
+    # ``token_ids`` (None: every token is known), and its row in that step's samples.
+    pending_index: int | None = None
+    pending_row: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -16,6 +16,7 @@ class SamplerOutput:
 
     tokens: list[int]
     errors: dict[int, str] = field(default_factory=dict)
+    token_tensor: torch.Tensor | None = None  # the same ids, on the device
 
 
 class Sampler:
@@ -54,7 +55,7 @@ class Sampler:
                 [generators[i] for i in sampled_rows],
             )
             tokens.index_copy_(0, rows, drawn)
-        return SamplerOutput(tokens.tolist(), errors)
+        return SamplerOutput(tokens.tolist(), errors, tokens)
 
     def _sample(
         self,

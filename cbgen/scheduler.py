@@ -238,7 +238,13 @@ class Scheduler:
                 self._drop_out_of_window(request)
         step = _Step(self.max_batch_tokens)
         running = sorted(self.running, key=_key)
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        # A request whose pending token is its last (async scheduling) is not run again.
+        decoding = [
+            r
+            for r in running
+            if r.num_tokens - r.num_computed_tokens == 1
+            and r.num_output_tokens < r.params.max_new_tokens
+        ]
         prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         for phase in self.phases:
             if phase == DECODE:
@@ -414,7 +420,9 @@ class Scheduler:
             step.in_flight_seen += 1
             other = chunk.request
             first = chunk.start // bs
-            last = min(-(-(chunk.start + chunk.num_tokens) // bs), other.num_tokens // bs)
+            # Never hash a placeholder (async scheduling): only known tokens.
+            known = other.num_tokens if other.pending_index is None else other.pending_index
+            last = min(-(-(chunk.start + chunk.num_tokens) // bs), known // bs)
             if last > first:
                 hashes = extend_block_hashes(other.block_hashes, other.token_ids, bs, last)
                 step.in_flight.update(hashes[first:last])
