@@ -212,7 +212,7 @@ class EngineCore:
         if in_flight is not None and (scheduled.is_empty or _needs_settled_tokens(scheduled)):
             # Swap copies and logits processors want every token known: settle first.
             self._in_flight = None
-            outputs = self._settle(in_flight.pending, in_flight.future.result())
+            outputs = self._settle(in_flight.pending, self._result(in_flight, None))
             in_flight = None
             _drop_finished(scheduled)
         if scheduled.swap_out or scheduled.swap_in:
@@ -236,14 +236,30 @@ class EngineCore:
         )
         self._in_flight = _InFlight(pending, future)
         if in_flight is not None:
-            try:
-                sampled = in_flight.future.result()
-            except BaseException:
-                self._in_flight = None
-                futures.wait([future])  # it reads the failed step's tokens: let it end
-                raise
-            outputs = self._settle(in_flight.pending, sampled)
+            outputs = self._settle(in_flight.pending, self._result(in_flight, self._in_flight))
         return outputs
+
+    def _result(self, in_flight: _InFlight, successor: _InFlight | None) -> SamplerOutput:
+        """The sampled tokens of a launched step.
+
+        If the step failed, its requests and those of the step launched after it
+        (which reads its tokens) can never learn their pending token: they finish
+        with ``"error"`` before the exception goes up.
+        """
+        try:
+            return in_flight.future.result()
+        except BaseException as exc:
+            self._in_flight = None
+            steps = [in_flight]
+            if successor is not None:
+                futures.wait([successor.future])
+                steps.append(successor)
+            for step in steps:
+                for request in step.pending.requests:
+                    if not request.is_finished:
+                        self.scheduler.finish(request, FinishReason.ERROR)
+                        self._requests.pop(request.request_id, None)
+            raise exc
 
     def _forward(
         self,

@@ -185,6 +185,11 @@ def test_forward_runs_on_the_worker_and_failures_surface(llama):
             while engine.has_unfinished():
                 engine.step()
         assert threads and all(name.startswith("cbgen-forward") for name in threads)
+        # The requests whose tokens were in flight are finished (their blocks are back);
+        # nothing is left with a placeholder it can never resolve.
+        assert all(
+            r.pending_index is None for r in engine.scheduler.running + engine.scheduler.waiting
+        )
         for i in range(len(prompts)):
             engine.abort(str(i))
         assert not engine.has_unfinished()

@@ -261,6 +261,31 @@ def test_step_exception_fails_its_requests_and_the_engine_goes_on(llama):
         assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_forward_failure_fails_its_requests_and_the_engine_goes_on(llama, async_scheduling):
+    prompt = [5, 6, 7, 8]
+    expected = reference_greedy(llama, prompt, 6)
+    with make_engine(llama, async_scheduling=async_scheduling) as engine:
+        runner = engine.core.runner
+        real_execute, calls = runner.execute, [0]
+
+        def flaky_execute(batch):  # on the forward worker when async
+            calls[0] += 1
+            if calls[0] == 4:
+                raise RuntimeError("forward broke")
+            return real_execute(batch)
+
+        runner.execute = flaky_execute
+        ids = [engine.add_request([5, i + 3, 7], greedy(20, ignore_eos=True)) for i in range(4)]
+        outs = [engine.get_result(rid, timeout=30) for rid in ids]
+        reasons = [o.finish_reason for o in outs]
+        assert "error" in reasons and set(reasons) <= {"error", "length"}
+        assert_no_leak(engine)
+        again = engine.get_result(engine.add_request(prompt, greedy(6)), timeout=30)
+        assert again.token_ids == expected
+        assert_no_leak(engine)
+
+
 def test_close_aborts_and_wakes_every_waiter(llama):
     engine = make_engine(llama).start()
     by_id = engine.add_request([5, 6, 7], long_params())
@@ -312,7 +337,8 @@ def test_close_aborts_and_wakes_every_waiter(llama):
 # -- concurrency --------------------------------------------------------------------------
 
 
-def test_many_threads_add_stream_and_cancel(llama):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_many_threads_add_stream_and_cancel(llama, async_scheduling):
     prompts = random_prompts(4, 3, 20, seed=5)
     expected = [reference_greedy(llama, p, 8) for p in prompts]
     errors: list[BaseException] = []
@@ -351,7 +377,13 @@ def test_many_threads_add_stream_and_cancel(llama):
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    with make_engine(llama, num_blocks=64, max_num_seqs=16, max_batch_tokens=128) as engine:
+    with make_engine(
+        llama,
+        num_blocks=64,
+        max_num_seqs=16,
+        max_batch_tokens=128,
+        async_scheduling=async_scheduling,
+    ) as engine:
         threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
         for t in threads:
             t.start()
