@@ -16,6 +16,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from cbgen.cache.allocator import BlockAllocator
+from cbgen.output import OutputProcessor
 from cbgen.request import FinishReason, Request, RequestStatus
 from cbgen.sampling import SamplingParams
 from cbgen.scheduler import (
@@ -40,7 +41,11 @@ class FakeModel:
     def _fingerprints(self, request: Request) -> list[int]:
         ids = self.prefix_ids.setdefault(id(request), [])
         while len(ids) < request.num_tokens:
-            ids.append(hash((ids[-1] if ids else 0, request.token_ids[len(ids)])))
+            p = len(ids)
+            # A placeholder (async scheduling) stands for the token the fake sampler
+            # always draws, filled in "on the device" before the forward reads it.
+            token = SAMPLED if p == request.pending_index else request.token_ids[p]
+            ids.append(hash((ids[-1] if ids else 0, token)))
         return ids
 
     def _slot(self, request: Request, position: int) -> int:
@@ -65,6 +70,9 @@ class FakeModel:
                 assert self.kv.get(self._slot(request, p)) == ids[p], "stale or foreign K/V"
             for p in range(chunk.start, chunk.start + chunk.num_tokens):
                 self.kv[self._slot(request, p)] = ids[p]
+
+
+SAMPLED = 7
 
 
 def _apply(scheduler: Scheduler, out: SchedulerOutput, model: FakeModel | None = None) -> int:
@@ -131,7 +139,7 @@ def workloads(draw):
     return requests
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     requests=workloads(),
     policy=st.sampled_from(["fifo", "prefill_first"]),
@@ -141,10 +149,21 @@ def workloads(draw):
     max_batch_tokens=st.integers(1, 64),
     max_num_seqs=st.integers(1, 8),
     swap_blocks=st.sampled_from([0, 0, 3, 64]),
+    async_steps=st.booleans(),
 )
 def test_every_request_finishes_without_leaks(
-    requests, policy, caching, block_size, extra_blocks, max_batch_tokens, max_num_seqs, swap_blocks
+    requests,
+    policy,
+    caching,
+    block_size,
+    extra_blocks,
+    max_batch_tokens,
+    max_num_seqs,
+    swap_blocks,
+    async_steps,
 ):
+    """Also under async scheduling: step N+1 is planned and run before step N's tokens
+    are written back (the engine's order), so every check holds with placeholders."""
     longest = max(len(p) + n for p, n, _, _ in requests)
     # The engine guarantees one request alone always fits in the cache.
     num_blocks = -(-longest // block_size) + extra_blocks
@@ -163,14 +182,31 @@ def test_every_request_finishes_without_leaks(
         (arrive, Request(str(i), prompt, SamplingParams(max_new_tokens=n, priority=prio), i))
         for i, (prompt, n, arrive, prio) in enumerate(requests)
     ]
+    processor = OutputProcessor(set(), 1 << 30)
     finished, step = 0, 0
-    while pending or scheduler.has_unfinished():
+    in_flight = None
+
+    def settle(samples) -> int:
+        outputs, done = processor.resolve(samples, [SAMPLED] * len(samples.requests))
+        for request, reason in done:
+            assert reason is FinishReason.LENGTH
+            scheduler.finish(request, reason)
+        return len(done)
+
+    while pending or scheduler.has_unfinished() or in_flight is not None:
         for item in [x for x in pending if x[0] <= step]:
             scheduler.add(item[1])
             pending.remove(item)
         keys = [r.sort_key for r in scheduler.waiting]
         assert keys == sorted(keys), "the queue is not in (priority, arrival) order"
         out = scheduler.schedule()
+        waited = in_flight is not None  # an empty plan then only means "settle first"
+        if in_flight is not None and (out.swap_out or out.swap_in or not out.chunks):
+            finished += settle(in_flight)  # as the engine does before swap copies
+            in_flight = None
+            out.chunks = [c for c in out.chunks if not c.request.is_finished]
+            out.swap_out = [m for m in out.swap_out if not m.request.is_finished]
+            out.swap_in = [m for m in out.swap_in if not m.request.is_finished]
         assert out.num_tokens <= max_batch_tokens
         assert len(scheduler.running) <= max_num_seqs
         assert len({id(c.request) for c in out.chunks}) == len(out.chunks)
@@ -182,9 +218,17 @@ def test_every_request_finishes_without_leaks(
             needed = -(-(chunk.start + chunk.num_tokens) // block_size)
             assert len(request.block_ids) >= needed, "chunk scheduled without its blocks"
             _check_chunk_writes(scheduler, chunk, block_size)
-        if scheduler.has_unfinished() and not pending:
+        if scheduler.has_unfinished() and not pending and not waited:
             assert out.chunks, "the scheduler stalled with work left"
-        finished += _apply(scheduler, out, model)
+        model.run(out)
+        launched = processor.advance(out) if out.chunks else None
+        if in_flight is not None:
+            finished += settle(in_flight)
+        in_flight = None
+        if launched is not None and async_steps:
+            in_flight = launched
+        elif launched is not None:
+            finished += settle(launched)
         _check_blocks(scheduler)
         step += 1
         assert step < 5000
