@@ -52,6 +52,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: int = 1 << 30
     async_scheduling: bool = False
+    # oneDNN-prepacked linear maps (float32, CPU); None: on there unless CBGEN_NO_PREPACK=1.
+    prepack_linear: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -41,7 +41,7 @@ class EngineCore:
         self.config = config or EngineConfig()
         model.eval()
         self.model = model
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, prepack_linear=self.config.prepack_linear)
         try:
             self._build(model)
         except BaseException:

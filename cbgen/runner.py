@@ -7,6 +7,7 @@ import torch
 from . import attention
 from .attention import ProbeRecord, attention_context
 from .batch import StepBatch
+from .prepack import PackedLinears, prepack_enabled_by_default
 
 
 class ModelRunner:
@@ -17,10 +18,16 @@ class ModelRunner:
     heads and which head sizes it stores (read off the tensors the layer
     actually produces, so no per-architecture config keys are needed).
     ``close()`` restores the model's own attention implementation.
+
+    ``prepack_linear`` switches the model's float32 CPU ``nn.Linear`` modules to
+    oneDNN prepacked weights for the runner's lifetime (``cbgen.prepack``; the
+    linear maps are most of a CPU decode step). ``None`` means on for float32
+    models on CPU unless ``CBGEN_NO_PREPACK=1``; ``close()`` undoes it.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, prepack_linear: bool | None = None) -> None:
         self.model = model
+        self._packed: PackedLinears | None = None
         self.device = _model_device(model)
         attention.register()
         self._original_attention = model.config._attn_implementation
@@ -31,8 +38,21 @@ class ModelRunner:
                 f"{type(model).__name__} does not route attention through transformers' "
                 "AttentionInterface, so cbgen cannot page its KV cache"
             )
-        self.probe = self._probe()
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        try:
+            self.probe = self._probe()
+            self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+            if prepack_linear is None:
+                prepack_linear = prepack_enabled_by_default(model)
+            if prepack_linear:
+                self._packed = PackedLinears(model)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def prepacked_linears(self) -> int:
+        """How many ``nn.Linear`` modules currently run on prepacked weights."""
+        return len(self._packed) if self._packed is not None else 0
 
     def _probe(self) -> ProbeRecord:
         record = ProbeRecord()
@@ -65,6 +85,10 @@ class ModelRunner:
         return logits.float()
 
     def close(self) -> None:
+        """Give the model back its own linear maps and attention implementation (idempotent)."""
+        if self._packed is not None:
+            self._packed.restore()
+            self._packed = None
         if self._original_attention is not None:
             self.model.set_attn_implementation(self._original_attention)
             self._original_attention = None

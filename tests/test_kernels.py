@@ -1,40 +1,59 @@
-"""The native paged decode kernel agrees with the pure-torch path."""
+"""The native paged decode kernel agrees with the pure-torch path.
+
+Caches are random and block tables scattered, with context lengths that end
+mid-block and past whole SIMD chunks, so the kernel's partial-chunk, tail and
+window paths all run. ``check_kernel`` takes the module so that builds with other
+compiler flags (AVX2 only, no SIMD) can be checked the same way by hand.
+"""
 
 from __future__ import annotations
+
+import platform
+from types import ModuleType
 
 import pytest
 import torch
 
 from cbgen.attention import AttentionMetadata, _decode_attention
 from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
-from cbgen.kernels import decode_kernel
+from cbgen.kernels import compile_flags, decode_kernel, machine_key
 
 kernel = decode_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="native kernel could not be built")
+needs_kernel = pytest.mark.skipif(kernel is None, reason="native kernel could not be built")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "window", "softcap"),
-    [(4, 2, None, None), (6, 1, None, None), (4, 4, 5, None), (4, 2, None, 3.0)],
-)
-def test_kernel_matches_torch_decode(dtype, heads, kv_heads, window, softcap):
-    torch.manual_seed(0)
-    block_size, dim = 4, 16
+def check_kernel(
+    module: ModuleType,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    window: int | None,
+    softcap: float | None,
+    lens: list[int],
+    block_size: int = 4,
+    dim: int = 16,
+    value_dim: int | None = None,
+    seed: int = 0,
+) -> None:
+    """Run the kernel and ``_decode_attention`` on one random paged cache and compare."""
+    torch.manual_seed(seed)
+    value_dim = value_dim or dim
+    needed = sum(-(-n // block_size) for n in lens)
+    num_blocks = needed + 3
     cache = PagedKVCache(
-        [LayerSpec(kv_heads, dim, dim, dtype)], 32, block_size, torch.device("cpu")
+        [LayerSpec(kv_heads, dim, value_dim, dtype)], num_blocks, block_size, torch.device("cpu")
     )
     cache.keys[0].normal_()
     cache.values[0].normal_()
-    lens = [1, 7, 13, 4]
-    perm = torch.randperm(32).tolist()
+    perm = torch.randperm(num_blocks).tolist()
     tables, start = [], 0
     for n in lens:
         count = -(-n // block_size)
         tables.append(perm[start : start + count])
         start += count
     width = max(map(len, tables))
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    # Padding entries point at a real block, as a stale table would: never read.
+    padded = torch.tensor([t + [perm[-1]] * (width - len(t)) for t in tables])
     context = torch.tensor(lens)
     positions = torch.arange(width * block_size)
     padding = torch.zeros(len(lens), width * block_size)
@@ -47,17 +66,80 @@ def test_kernel_matches_torch_decode(dtype, heads, kv_heads, window, softcap):
         decode_context_lens=context,
         decode_padding_mask=padding.view(1, len(lens), 1, -1),
     )
+    scale = dim**-0.5
     q = torch.randn(heads, len(lens), dim).to(dtype)
-    expected = _decode_attention(q, cache.keys[0], cache.values[0], meta, 0.25, window, softcap)
-    got = kernel.paged_decode_attention(
+    expected = _decode_attention(q, cache.keys[0], cache.values[0], meta, scale, window, softcap)
+    got = module.paged_decode_attention(
         q.transpose(0, 1).contiguous(),
         cache.keys[0],
         cache.values[0],
         padded,
         context,
-        0.25,
+        scale,
         window or 0,
         softcap or 0.0,
     )
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == (len(lens), heads, value_dim)
+    # float32: the same sums in another order. bfloat16: both sides round the
+    # output to bfloat16 (8 bits), and the torch path also rounds probabilities.
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.transpose(0, 1).float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "window", "softcap"),
+    [
+        (4, 2, None, None),
+        (6, 1, None, None),
+        (4, 4, 5, None),  # GQA ratio 1, window cutting into a block
+        (9, 3, None, None),  # SmolLM2's ratio 3
+        (16, 2, None, None),  # ratio 8
+        (9, 3, 21, None),  # window longer than some contexts
+        (4, 2, None, 3.0),
+    ],
+)
+@pytest.mark.parametrize("dim", [16, 64, 40])  # one SIMD chunk, several, a scalar tail
+def test_kernel_matches_torch_decode(dtype, heads, kv_heads, window, softcap, dim):
+    lens = [1, 7, 13, 4, 16, 17, 33, 70]
+    check_kernel(kernel, dtype, heads, kv_heads, window, softcap, lens, dim=dim)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_long_contexts_real_block_size(dtype):
+    # SmolLM2's geometry with the engine's 16-token blocks, a few hundred tokens.
+    lens = [31, 129, 250, 401, 17, 600]
+    check_kernel(kernel, dtype, 9, 3, None, None, lens, block_size=16, dim=64, seed=1)
+
+
+@needs_kernel
+def test_kernel_value_dim_differs_from_key_dim():
+    check_kernel(kernel, torch.float32, 4, 2, None, None, [5, 23, 40], dim=32, value_dim=48)
+
+
+@needs_kernel
+def test_kernel_float16_and_float64_fall_back_to_scalar_loops():
+    for dtype in (torch.float16, torch.float64):
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 16, dtype=dtype)
+        keys = torch.randn(2, 8, 4, 16, dtype=dtype)
+        values = torch.randn(2, 8, 4, 16, dtype=dtype)
+        tables = torch.tensor([[3, 1, 0], [5, 6, 0]])
+        lens = torch.tensor([9, 6])
+        got = kernel.paged_decode_attention(q, keys, values, tables, lens, 0.25, 0, 0.0)
+        for s in range(2):
+            k = keys[:, tables[s]].flatten(1, 2)[:, : lens[s]].float()  # [kv, ctx, dim]
+            v = values[:, tables[s]].flatten(1, 2)[:, : lens[s]].float()
+            qs = q[s].float().view(2, 2, 16)  # [kv, group, dim]
+            probs = torch.softmax(qs @ k.transpose(1, 2) * 0.25, dim=-1)
+            want = (probs @ v).reshape(4, 16)
+            torch.testing.assert_close(got[s].float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_build_is_keyed_by_machine():
+    key = machine_key()
+    assert len(key) == 16 and key == machine_key()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert "-march=native" in compile_flags()

@@ -3,14 +3,23 @@
 The paged decode attention kernel reads K/V straight from the block tables, once
 per layer, instead of gathering a padded copy first. It is built with
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) into
-``$CBGEN_CACHE_DIR/kernels``; a failed build is reported once and the engine
-keeps running on the torch path. ``CBGEN_NO_KERNELS=1`` turns it off.
+``$CBGEN_CACHE_DIR/kernels/<machine key>``; a failed build is reported once and
+the engine keeps running on the torch path. ``CBGEN_NO_KERNELS=1`` turns it off.
+
+On x86-64 the kernel is compiled with ``-march=native`` (its SIMD paths need
+AVX-512 or AVX2+FMA to be enabled at compile time), so the binary only runs on
+CPUs with the builder's instruction sets. The build folder is therefore keyed by
+the CPU's model and feature flags (and the torch version the binary links
+against): a cache directory shared between machines rebuilds instead of
+loading a binary that would die on an illegal instruction.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -46,13 +55,48 @@ def _build() -> ModuleType:
     from ..models import cache_dir
 
     source = Path(__file__).with_name("paged_decode.cpp")
-    build_dir = cache_dir() / "kernels"
+    build_dir = cache_dir() / "kernels" / machine_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
         name="cbgen_paged_decode",
         sources=[str(source)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=compile_flags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,
     )
+
+
+def compile_flags() -> list[str]:
+    """``-march=native`` where the SIMD paths need it (x86-64); plain ``-O3`` elsewhere."""
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-march=native")
+    return flags
+
+
+def machine_key() -> str:
+    """A short hash of what a ``-march=native`` binary depends on: CPU, flags, torch."""
+    import torch
+
+    parts = [platform.machine(), torch.__version__, " ".join(compile_flags()), _cpu_signature()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and feature flags (Linux), else what ``platform`` knows."""
+    wanted = ("model name", "flags", "features", "cpu model", "isa")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = []
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in wanted and line not in lines:
+                    lines.append(line)
+                elif not line.strip() and lines:
+                    break  # the first processor's entry is enough
+            if lines:
+                return "".join(lines)
+    except OSError:
+        pass
+    return platform.processor() or platform.platform()

@@ -1,0 +1,110 @@
+"""Time cbgen decode steps at a fixed batch, comparing variants interleaved in one process.
+
+``python bench/micro_step.py --seqs 64 --ctx 400 --threads 1``
+
+Prefills ``--seqs`` random prompts of ``--ctx`` tokens, then times decode steps
+(``EngineCore.step``) under each variant in turn (A, B, A, B, ...), reporting
+medians: on a shared machine absolute timings drift, so only variants measured
+side by side are compared. Times are the main thread's CPU time with one thread
+(immune to being descheduled), wall time otherwise. Variants:
+
+* ``prepack`` / ``no-prepack``: oneDNN prepacked linear maps on or off;
+* ``kernel`` / ``torch-attn``: the native paged decode kernel or the torch path.
+
+``--profile`` prints a torch.profiler table of a few steps of the first variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import cbgen
+from cbgen import EngineConfig, EngineCore, SamplingParams
+from cbgen.kernels import decode_kernel
+from cbgen.prepack import PackedLinears
+
+
+def prefilled_engine(model: torch.nn.Module, seqs: int, ctx: int) -> EngineCore:
+    """An engine whose ``seqs`` requests have all finished prefill (next steps are decodes)."""
+    gen = torch.Generator().manual_seed(0)
+    config = EngineConfig(max_num_seqs=seqs, max_batch_tokens=max(512, seqs * ctx))
+    engine = EngineCore(model, config)
+    for _ in range(seqs):
+        prompt = torch.randint(100, 40000, (ctx,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_new_tokens=4096, ignore_eos=True))
+    while engine.stats["decode_tokens"] < seqs:
+        engine.step()
+    return engine
+
+
+def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
+    """Setters that switch the engine to each variant."""
+    runner, builder, model = engine.runner, engine.batch_builder, engine.model
+    kernel = decode_kernel()
+
+    def prepack(on: bool) -> Callable[[], None]:
+        def apply() -> None:
+            if runner._packed is not None:
+                runner._packed.restore()
+            runner._packed = PackedLinears(model) if on else None
+
+        return apply
+
+    def attn(native: bool) -> Callable[[], None]:
+        def apply() -> None:
+            builder.decode_kernel = kernel if native else None
+
+        return apply
+
+    return {
+        "prepack": prepack(True),
+        "no-prepack": prepack(False),
+        "kernel": attn(True),
+        "torch-attn": attn(False),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--ctx", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5, help="steps per variant")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compare", default="no-prepack,prepack", help="comma-separated variants")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    model, _ = cbgen.load_model("smollm2")
+    engine = prefilled_engine(model, args.seqs, args.ctx)
+    setters = variants(engine)
+    names = args.compare.split(",")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            setters[name]()
+            engine.step()  # settle after the switch
+            start = clock()
+            engine.step()
+            times[name].append(clock() - start)
+    for name in names:
+        ms = [round(t * 1e3, 1) for t in times[name]]
+        print(f"{name:>12}: median {statistics.median(times[name]) * 1e3:7.1f} ms  {ms}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        setters[names[0]]()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

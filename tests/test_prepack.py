@@ -1,0 +1,99 @@
+"""oneDNN prepacked linear maps: same outputs as nn.Linear, applied and undone by the runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model, random_prompts, reference_greedy
+from torch import nn
+
+import cbgen
+from cbgen import EngineConfig, SamplingParams
+from cbgen.prepack import DISABLE_ENV, PackedLinears, prepack_enabled_by_default, prepack_supported
+from cbgen.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not prepack_supported(), reason="torch built without oneDNN")
+
+
+def _overridden(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_linear(bias, rows):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160, bias=bias), nn.Linear(160, 40, bias=bias))
+    x = torch.randn(1, rows, 96)
+    with torch.inference_mode():
+        want = model(x)
+        packed = PackedLinears(model)
+        assert len(packed) == 2
+        got = model(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        packed.restore()
+        assert torch.equal(model(x), want)
+    assert not _overridden(model)
+
+
+def test_unpackable_calls_fall_back():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    packed = PackedLinears(layer)
+    x = torch.randn(4, 32, requires_grad=True)
+    out = layer(x)  # autograd: the plain path, so backward works
+    out.sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    with torch.inference_mode():
+        assert layer(torch.randn(0, 32)).shape == (0, 16)
+    packed.restore()
+
+
+def test_only_float32_cpu_modules_are_packed():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    packed = PackedLinears(model)
+    assert len(packed) == 1 and "forward" not in model[1].__dict__
+    packed.restore()
+    assert prepack_enabled_by_default(nn.Linear(4, 4))
+    assert not prepack_enabled_by_default(nn.Linear(4, 4).to(torch.bfloat16))
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert not prepack_enabled_by_default(nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("prepack", [None, True, False])
+def test_runner_applies_and_restores(prepack, monkeypatch):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    model = make_tiny_model("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    runner = ModelRunner(model, prepack_linear=prepack)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert runner.prepacked_linears == (0 if prepack is False else linears)
+    assert len(_overridden(model)) == runner.prepacked_linears
+    assert model.state_dict().keys() == state.keys()
+    runner.close()
+    runner.close()  # idempotent
+    assert not _overridden(model)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_engine_greedy_matches_generate_with_prepack(monkeypatch):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    model = make_tiny_model("llama")
+    prompts = random_prompts(5, 3, 40, seed=11)
+    expected = [reference_greedy(model, p, 16) for p in prompts]
+    config = EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64)
+    with cbgen.EngineCore(model, config) as engine:
+        assert engine.runner.prepacked_linears > 0
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=16), request_id=str(i))
+        results = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out.token_ids
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert not _overridden(model)
