@@ -81,9 +81,11 @@ def summary_table(results: dict[str, Any]) -> list[str]:
 def roofline_line(roofline: dict[str, Any] | None) -> str:
     if not roofline:
         return "Roofline: not measured."
+    kernels = sorted({s.get("kernel", "F.linear") for s in roofline.get("shapes", [])})
     return (
         f"Roofline: {roofline['peak_flops'] / 1e9:,.1f} GFLOP/s on the model's linear maps "
-        f"(m={roofline['m']}, {roofline['dtype']}, {roofline['threads']} threads; best single "
+        f"(m={roofline['m']}, {roofline['dtype']}, {roofline['threads']} threads, "
+        f"{' / '.join(kernels) or 'F.linear'}; best single "
         f"shape {roofline['best_shape_flops'] / 1e9:,.1f}); "
         f"{roofline['flops_per_token'] / 1e6:,.0f} MFLOP per token, so at most "
         f"{roofline['ceiling_tok_s']:,.0f} decoded tok/s."

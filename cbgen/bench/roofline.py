@@ -3,7 +3,10 @@
 Decoding one token costs about ``2 x (weights of every linear map, LM head included)``
 FLOPs (attention over the cache and the element-wise work are left out, which flatters
 nobody). ``measure`` times ``F.linear`` on ``[m, in] x [out, in]^T`` for each distinct
-weight shape, in the run's dtype and thread count, and reports:
+weight shape, in the run's dtype and thread count, and also oneDNN's prepacked linear
+where it exists (float32 on CPU: what cbgen itself runs, ``cbgen.prepack``), keeping
+the faster of the two per shape, so the roofline is the best matmul this machine offers
+rather than the one cbgen happens to use. It reports:
 
 - ``peak_flops``: the FLOP rate of one whole forward's linear maps at ``m`` tokens
   (total FLOPs / total time, each shape weighted by how often it occurs);
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ..prepack import prepack_supported
 
 
 def linear_shapes(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -40,15 +46,29 @@ def flops_per_token(shapes: list[dict[str, Any]]) -> int:
     return 2 * sum(s["out"] * s["in"] * s["count"] for s in shapes)
 
 
-def _time_linear(x: torch.Tensor, w: torch.Tensor, min_time: float, trials: int) -> float:
+def _linear_kernels(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The ways to run ``x @ w.T`` worth timing for this weight."""
+    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "F.linear": lambda x: F.linear(x, w)
+    }
+    if w.dtype == torch.float32 and w.device.type == "cpu" and prepack_supported():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        pointwise = torch.ops.mkldnn._linear_pointwise
+        kernels["oneDNN prepacked"] = lambda x: pointwise(x, packed, None, "none", [], "")
+    return kernels
+
+
+def _time_linear(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_time: float, trials: int
+) -> float:
     """The best per-call time over ``trials`` timed loops of at least ``min_time`` s."""
     for _ in range(3):
-        F.linear(x, w)
+        fn(x)
     calls = 1
     while True:  # calibrate the loop length
         started = time.perf_counter()
         for _ in range(calls):
-            F.linear(x, w)
+            fn(x)
         elapsed = time.perf_counter() - started
         if elapsed >= min_time / 4 or calls >= 1 << 16:
             break
@@ -58,7 +78,7 @@ def _time_linear(x: torch.Tensor, w: torch.Tensor, min_time: float, trials: int)
     for _ in range(trials):
         started = time.perf_counter()
         for _ in range(calls):
-            F.linear(x, w)
+            fn(x)
         best = min(best, (time.perf_counter() - started) / calls)
     return best
 
@@ -78,9 +98,16 @@ def measure(
     for shape in shapes:
         x = torch.randn(m, shape["in"], generator=generator).to(dtype)
         w = torch.randn(shape["out"], shape["in"], generator=generator).to(dtype)
-        seconds = _time_linear(x, w, min_time, trials)
+        times = {
+            name: _time_linear(fn, x, min_time, trials)
+            for name, fn in _linear_kernels(w, m).items()
+        }
+        kernel = min(times, key=times.__getitem__)
+        seconds = times[kernel]
         flops = 2.0 * m * shape["out"] * shape["in"]
-        per_shape.append({**shape, "seconds": seconds, "flops_per_s": flops / seconds})
+        per_shape.append(
+            {**shape, "seconds": seconds, "flops_per_s": flops / seconds, "kernel": kernel}
+        )
         total_flops += flops * shape["count"]
         total_time += seconds * shape["count"]
     per_token = flops_per_token(shapes)
