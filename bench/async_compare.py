@@ -1,6 +1,6 @@
 """Synchronous vs async scheduling on the bundled model, interleaved in one process.
 
-    .venv/bin/python bench/async_compare.py [--prompts short64] [--num-prompts 64]
+    .venv/bin/python bench/async_compare.py [--workload short64] [--num-prompts 64]
         [--max-new-tokens 64] [--rounds 3] [--threads 2]
 
 Each round runs the same workload with ``async_scheduling`` off and on, in
@@ -16,28 +16,12 @@ import argparse
 import dataclasses
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import cbgen
 from cbgen import EngineConfig, SamplingParams
-
-PROMPTS = Path(__file__).parent / "prompts"
-
-
-def load_prompts(name: str, tokenizer, count: int) -> list[list[int]]:
-    lines = [line for line in (PROMPTS / f"{name}.txt").read_text().splitlines() if line.strip()]
-    lines = (lines * (count // len(lines) + 1))[:count]
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        for q in lines
-    ]
+from cbgen.bench.workloads import build_workload
 
 
 def run_core(model, prompts, params, config) -> float:
@@ -61,7 +45,7 @@ def run_online(model, tokenizer, prompts, params, config) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", default="short64", help="bench/prompts/<name>.txt")
+    parser.add_argument("--workload", default="short64", help="a workload of bench/workloads.json")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
@@ -69,7 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = cbgen.load_model("smollm2")
-    prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
+    workload = build_workload(args.workload, tokenizer, num_prompts=args.num_prompts)
+    prompts = workload.prompts
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     sync = EngineConfig()
     configs = {"sync": sync, "async": dataclasses.replace(sync, async_scheduling=True)}
@@ -87,7 +72,7 @@ def main() -> None:
                 results.setdefault((loop, name), []).append(rate)
                 print(f"round {round_index + 1} {loop:6} {name:5} {rate:7.1f} tok/s", flush=True)
     print(
-        f"\n{args.prompts}, {args.num_prompts} prompts x {args.max_new_tokens} new tokens, "
+        f"\n{args.workload}, {args.num_prompts} prompts x {args.max_new_tokens} new tokens, "
         f"{args.threads} threads, medians of {args.rounds}:"
     )
     for loop in runs:

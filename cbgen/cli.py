@@ -68,18 +68,12 @@ def generate_command(args: argparse.Namespace) -> int:
         print("cbgen generate: give at least one --prompt or a --prompts-file", file=sys.stderr)
         return 2
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    if args.no_chat_template or tokenizer.chat_template is None:
+    if args.no_chat_template:
         token_ids = [tokenizer(p)["input_ids"] for p in prompts]
-    else:
-        token_ids = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-            for p in prompts
-        ]
+    else:  # raw text for a tokenizer without a chat template
+        from .bench.workloads import chat_token_ids
+
+        token_ids = [chat_token_ids(tokenizer, p) for p in prompts]
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

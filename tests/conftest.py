@@ -185,12 +185,25 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: 
 
 def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
     """Each question as a one-turn chat through the tokenizer's template, as token ids."""
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        for q in questions
-    ]
+    from cbgen.bench.workloads import chat_token_ids
+
+    return [chat_token_ids(tokenizer, q) for q in questions]
+
+
+def run_until_done(engine, after_step=None) -> dict:
+    """Step ``engine`` until nothing is left; the final output of every request, by id.
+
+    Asserts no request reports again after its final output. ``after_step(n)`` runs
+    after the ``n``-th step (1-based), e.g. to abort a request mid-run.
+    """
+    results = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id not in results, "an output after the final one"
+            if out.finished:
+                results[out.request_id] = out
+        steps += 1
+        if after_step is not None:
+            after_step(steps)
+    return results

@@ -7,7 +7,7 @@ import dataclasses
 import threading
 
 import pytest
-from conftest import make_tiny_model, random_prompts, reference_greedy
+from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
@@ -18,19 +18,15 @@ BASE = EngineConfig(block_size=4, num_blocks=256, max_batch_tokens=32)
 
 def _run(model, prompts, params, config, abort_at: dict[int, str] | None = None):
     """Final outputs by request id; checks that every block came back."""
-    results = {}
     with EngineCore(model, config) as engine:
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(p, sp, request_id=str(i))
-        step = 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                assert out.request_id not in results, "an output after the final one"
-                if out.finished:
-                    results[out.request_id] = out
-            step += 1
+
+        def abort(step: int) -> None:
             if abort_at and step in abort_at:
                 engine.abort(abort_at[step])
+
+        results = run_until_done(engine, abort)
         engine.allocator.check_invariants()
         assert engine.allocator.num_free == engine.allocator.num_blocks, "blocks leaked"
         if engine.scheduler.host_allocator is not None:
@@ -117,11 +113,7 @@ def test_failed_swap_in_under_async_leaks_nothing(llama):
         engine.swap_space.copy_in = flaky
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=30), request_id=str(i))
-        results = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out.token_ids
+        results = {rid: out.token_ids for rid, out in run_until_done(engine).items()}
         assert engine.stats["swap_failures"] == 1
         assert engine.allocator.num_free == engine.allocator.num_blocks
         host = engine.scheduler.host_allocator

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts, reference_greedy
+from conftest import random_prompts, reference_greedy, run_until_done
 from transformers import LogitsProcessor as HFLogitsProcessor
 from transformers import LogitsProcessorList
 
@@ -100,11 +100,7 @@ def test_a_failing_processor_finishes_only_its_request(llama, processor, message
             engine.add_request(
                 p, SamplingParams(max_new_tokens=16, logits_processors=rules), str(i)
             )
-        results = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+        results = run_until_done(engine)
         assert engine.allocator.num_free == engine.allocator.num_blocks
     failed = results["1"]
     assert failed.finish_reason is FinishReason.ERROR

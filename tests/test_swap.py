@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, random_prompts, reference_greedy
+from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.request import RequestStatus
@@ -24,12 +24,8 @@ def _config(**overrides) -> EngineConfig:
 def _run(engine: EngineCore, prompts, new_tokens=NEW_TOKENS):
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(max_new_tokens=new_tokens), request_id=str(i))
-    results = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.token_ids
-    return [results[str(i)] for i in range(len(prompts))]
+    results = run_until_done(engine)
+    return [results[str(i)].token_ids for i in range(len(prompts))]
 
 
 def _assert_nothing_held(engine: EngineCore) -> None:
