@@ -18,6 +18,7 @@ from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .cache.swap import SwapSpace
 from .config import EngineConfig
 from .kernels import decode_kernel
+from .openmp import release_thread_team
 from .output import OutputProcessor, PendingSamples
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
@@ -231,6 +232,7 @@ class EngineCore:
             return self._settle(self.output_processor.advance(scheduled), sampled)
         pending = self.output_processor.advance(scheduled)
         previous = in_flight.future if in_flight is not None else None
+        release_thread_team()  # the worker's OpenMP team must be the only one (cbgen.openmp)
         future = self._worker().submit(
             self._forward, batch, params, generators, histories, previous
         )

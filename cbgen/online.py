@@ -47,6 +47,7 @@ import torch
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decoder
 from .engine import EngineCore
+from .openmp import release_thread_team
 from .request import FinishReason, RequestOutput, RequestStatus
 from .sampling import SamplingParams
 
@@ -212,6 +213,9 @@ class Engine:
 
     def _start_locked(self) -> None:
         if self._thread is None:
+            # The loop thread runs the forward passes; the caller's idle OpenMP team
+            # would make libgomp throttle the loop's team (cbgen.openmp).
+            release_thread_team()
             self._thread = threading.Thread(target=self._run, name="cbgen-online", daemon=True)
             self._thread.start()
 
