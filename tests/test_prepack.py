@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import pytest
 import torch
 from conftest import make_tiny_model, random_prompts, reference_greedy
@@ -9,7 +12,14 @@ from torch import nn
 
 import cbgen
 from cbgen import EngineConfig, SamplingParams
-from cbgen.prepack import DISABLE_ENV, PackedLinears, prepack_enabled_by_default, prepack_supported
+from cbgen.prepack import (
+    DISABLE_ENV,
+    PackedLinears,
+    file_backed_ranges,
+    page_out,
+    prepack_enabled_by_default,
+    prepack_supported,
+)
 from cbgen.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not prepack_supported(), reason="torch built without oneDNN")
@@ -97,3 +107,42 @@ def test_engine_greedy_matches_generate_with_prepack(monkeypatch):
                     results[out.request_id] = out.token_ids
     assert [results[str(i)] for i in range(len(prompts))] == expected
     assert not _overridden(model)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Rss line")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_page_out_hands_file_pages_back_and_keeps_the_values(tmp_path):
+    weight = torch.randn(4096, 4096)  # 64 MiB
+    path = tmp_path / "weight.bin"
+    path.write_bytes(weight.numpy().tobytes())
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # like safetensors
+    mapped = torch.frombuffer(mapping, dtype=torch.float32).view(4096, 4096)
+    expected = float(weight.sum())
+    assert float(mapped.sum()) == expected  # every page is resident now
+    before = _resident_bytes()
+    released = page_out(mapped, file_backed_ranges())
+    after = _resident_bytes()
+    assert released >= 64 * 2**20 - 2 * mmap.PAGESIZE
+    assert before - after > 48 * 2**20
+    assert float(mapped.sum()) == expected  # faulted back in from the file
+    assert page_out(weight, file_backed_ranges()) == 0  # anonymous memory stays put
+
+
+def test_packing_a_file_backed_model_releases_its_original_weights(smollm2):
+    model, _ = smollm2
+    packed = PackedLinears(model)
+    try:
+        linear_bytes = sum(
+            m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear)
+        )
+        assert packed.released_bytes > 0.9 * linear_bytes
+    finally:
+        packed.restore()
