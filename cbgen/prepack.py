@@ -80,6 +80,12 @@ class PackedLinears:
         if not prepack_supported():
             return
         file_maps = file_backed_ranges()
+        # A weight another module reads (a tied embedding) must stay resident.
+        shared = {
+            m.weight.data_ptr()
+            for m in model.modules()
+            if not isinstance(m, nn.Linear) and isinstance(getattr(m, "weight", None), torch.Tensor)
+        }
         for module in model.modules():
             if not isinstance(module, nn.Linear) or "forward" in module.__dict__:
                 continue  # already overridden (by us or someone else): leave it
@@ -91,7 +97,8 @@ class PackedLinears:
             bias = module.bias.detach() if module.bias is not None else None
             module.forward = _packed_forward(weight, packed, bias)  # type: ignore[method-assign]
             self._modules.append(module)
-            self.released_bytes += page_out(weight, file_maps)
+            if weight.data_ptr() not in shared:
+                self.released_bytes += page_out(weight, file_maps)
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -140,9 +147,10 @@ def page_out(tensor: torch.Tensor, file_maps: list[tuple[int, int]]) -> int:
     The original weights stay the model's parameters, but once a packed copy serves
     every call nothing reads them. Loaded from safetensors they are memory-mapped
     file pages: reclaiming them takes about 430 MB off the resident set of the bundled
-    model, and a later read (the plain-path fallback, the embedding lookup of a tied
-    LM head) faults the needed pages back in from the file. Weights in anonymous
-    memory are left alone: reclaiming those would mean swapping them out.
+    model. A later read (the plain-path fallback) faults the pages back in, from disk
+    if the page cache let them go, so ``PackedLinears`` keeps weights that another
+    module reads every step (a tied embedding) resident. Weights in anonymous memory
+    are left alone: reclaiming those would mean swapping them out.
     """
     madvise = _madvise()
     if (
