@@ -9,6 +9,7 @@ side by side are compared. Times are the main thread's CPU time with one thread
 (immune to being descheduled), wall time otherwise. Variants:
 
 * ``prepack`` / ``no-prepack``: oneDNN prepacked linear maps on or off;
+* ``unfused``: prepacked, but q/k/v and gate/up as separate GEMMs;
 * ``kernel`` / ``torch-attn``: the native paged decode kernel or the torch path.
 
 ``--profile`` prints a torch.profiler table of a few steps of the first variant.
@@ -47,11 +48,11 @@ def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
     runner, builder, model = engine.runner, engine.batch_builder, engine.model
     kernel = decode_kernel()
 
-    def prepack(on: bool) -> Callable[[], None]:
+    def prepack(on: bool, fuse: bool = True) -> Callable[[], None]:
         def apply() -> None:
             if runner._packed is not None:
                 runner._packed.restore()
-            runner._packed = PackedLinears(model) if on else None
+            runner._packed = PackedLinears(model, fuse=fuse) if on else None
 
         return apply
 
@@ -64,6 +65,7 @@ def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
     return {
         "prepack": prepack(True),
         "no-prepack": prepack(False),
+        "unfused": prepack(True, fuse=False),
         "kernel": attn(True),
         "torch-attn": attn(False),
     }

@@ -47,6 +47,56 @@ def test_packed_linear_matches_linear(bias, rows):
     assert not _overridden(model)
 
 
+class _Block(nn.Module):
+    """Sibling maps under the names the fusion looks for."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(48, 48, bias=bias)
+        self.k_proj = nn.Linear(48, 16, bias=bias)
+        self.v_proj = nn.Linear(48, 16, bias=bias)
+        self.gate_proj = nn.Linear(48, 96, bias=bias)
+        self.up_proj = nn.Linear(48, 96, bias=bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_siblings_match_separate_packing_in_any_call_order(bias):
+    torch.manual_seed(0)
+    block = _Block(bias)
+    x, other = torch.randn(1, 64, 48), torch.randn(1, 64, 48)
+    names = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    with torch.inference_mode():
+        separate = PackedLinears(block, fuse=False)
+        assert separate.fused_groups == 0
+        want = {n: getattr(block, n)(x) for n in names}
+        want_other = block.k_proj(other)
+        separate.restore()
+        fused = PackedLinears(block)
+        assert fused.fused_groups == 2 and len(fused) == 5
+        # v before q, and k on another input in between: each gets its own columns.
+        for name in ["v_proj", "up_proj", "q_proj", "gate_proj", "k_proj"]:
+            assert torch.equal(getattr(block, name)(x), want[name]), name
+        assert torch.equal(block.k_proj(other), want_other)
+        assert torch.equal(block.q_proj(x), want["q_proj"])
+        assert torch.equal(block.k_proj(x), want["k_proj"])
+        fused.restore()
+    assert not _overridden(block)
+
+
+def test_fused_model_logits_are_bitwise_those_of_separate_packing():
+    model = make_tiny_model("llama")
+    ids = torch.tensor([random_prompts(1, 20, 20, seed=3)[0]])
+    with torch.inference_mode():
+        separate = PackedLinears(model, fuse=False)
+        want = model(ids).logits
+        separate.restore()
+        fused = PackedLinears(model)
+        assert fused.fused_groups == 2 * model.config.num_hidden_layers
+        got = model(ids).logits
+        fused.restore()
+    assert torch.equal(got, want)
+
+
 def test_unpackable_calls_fall_back():
     torch.manual_seed(0)
     layer = nn.Linear(32, 16)
