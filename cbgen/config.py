@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("fifo", "prefill_first")
 PREEMPTION_MODES = ("recompute", "swap")
+ADMISSION_MODES = ("eager", "full_length")
 
 
 @dataclass
@@ -31,6 +32,14 @@ class EngineConfig:
     recompute while the swap space is full). Swap pays off when prompts are long
     relative to the copy bandwidth, e.g. on a GPU with a fast host link.
 
+    ``admission`` says when a waiting request may start. ``"eager"`` starts it as
+    soon as this step's tokens fit (the most requests in flight; when the cache
+    fills up, running requests are preempted). ``"full_length"`` starts it only if
+    the cache can also hold every running request and this one up to their prompt
+    plus ``max_new_tokens``: fewer requests in flight, but no preemption, which
+    is what a small ``kv_cache_memory`` budget wants (recomputing preempted
+    prompts costs more than a smaller batch).
+
     ``async_scheduling`` runs the forward passes on a worker thread: while step
     ``N`` runs, the engine schedules and builds step ``N + 1`` (whose inputs take
     step ``N``'s sampled tokens on the device, a placeholder id standing in on the
@@ -50,6 +59,7 @@ class EngineConfig:
     # Paged decode attention in C++ (built on first use; falls back to torch if it can't be).
     use_native_kernels: bool = True
     preemption_mode: str = "recompute"
+    admission: str = "eager"
     swap_space: int = 1 << 30
     async_scheduling: bool = False
     # oneDNN-prepacked linear maps (float32, CPU); None: on there unless CBGEN_NO_PREPACK=1.
@@ -72,6 +82,8 @@ class EngineConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.scheduler_policy not in SCHEDULER_POLICIES:

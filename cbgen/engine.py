@@ -87,6 +87,7 @@ class EngineCore:
             enable_prefix_caching=self.prefix_caching,
             groups=self.cache_groups,
             swap_blocks=self.swap_space.num_blocks if self.swap_space is not None else 0,
+            admission=config.admission,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions
         self.batch_builder = BatchBuilder(

@@ -154,8 +154,11 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         groups: Sequence[CacheGroup] | None = None,
         swap_blocks: int = 0,
+        admission: str = "eager",
     ) -> None:
         self.allocator = allocator
+        # "full_length": admit only what fits to the end (EngineConfig.admission).
+        self.full_length_admission = admission == "full_length"
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
@@ -252,11 +255,14 @@ class Scheduler:
             elif phase == PREFILL:
                 self._schedule_running(prefilling, step, out)
             elif not out.preempted:  # the cache is full: admitting more would only thrash
-                reserve = sum(
-                    self._blocks_needed(r, 1)
-                    for r in decoding
-                    if r.status is RequestStatus.RUNNING and id(r) not in step.scheduled
-                )
+                if self.full_length_admission:
+                    reserve = sum(self._blocks_to_finish(r) for r in self.running)
+                else:
+                    reserve = sum(
+                        self._blocks_needed(r, 1)
+                        for r in decoding
+                        if r.status is RequestStatus.RUNNING and id(r) not in step.scheduled
+                    )
                 if self.swapped:
                     self._resume(step, out, reserve)
                 if not self.swapped:  # swapped requests come back before new ones start
@@ -290,8 +296,14 @@ class Scheduler:
             total = -(-(num_cached + num_tokens) // bs)
             needed = total - len(hits) + total * (len(self.groups) - 1)
             revived = sum(1 for block in hits if self.allocator.ref_count(block) == 0)
-            if needed + revived + reserve > self.allocator.num_free:
+            growth = 0  # blocks it may take later, kept free under full-length admission
+            if self.full_length_admission:
+                final = len(request.prompt_token_ids) + request.params.max_new_tokens
+                growth = max(0, -(-final // bs) - total) * len(self.groups)
+            free = self.allocator.num_free - needed - revived - reserve
+            if free < 0 or (self.running and free < growth):  # alone, it always fits
                 break
+            reserve += growth
             self.waiting.pop(0)
             self.allocator.share(hits)
             request.block_ids = hits + self.allocator.allocate(total - len(hits))
@@ -448,6 +460,11 @@ class Scheduler:
         total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
         return sum(max(0, total - len(blocks)) for blocks in self.block_tables(request))
 
+    def _blocks_to_finish(self, request: Request) -> int:
+        """Blocks ``request`` may still take: up to its prompt plus ``max_new_tokens``."""
+        final = len(request.prompt_token_ids) + request.params.max_new_tokens
+        return self._blocks_needed(request, max(0, final - request.num_computed_tokens))
+
     def _grow(self, request: Request, num_tokens: int) -> None:
         """Give every group of ``request`` the blocks for ``num_tokens`` more tokens."""
         total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
@@ -565,6 +582,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     groups: Sequence[CacheGroup] | None = None,
     swap_blocks: int = 0,
+    admission: str = "eager",
 ) -> Scheduler:
     """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``)."""
     try:
@@ -581,4 +599,5 @@ def make_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         groups=groups,
         swap_blocks=swap_blocks,
+        admission=admission,
     )

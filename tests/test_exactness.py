@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from conftest import ARCHITECTURES, chat_prompts, make_tiny_model, random_prompts, reference_greedy
+from conftest import (
+    ARCHITECTURES,
+    chat_prompts,
+    make_tiny_model,
+    random_prompts,
+    reference_greedy,
+    run_until_done,
+)
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
@@ -52,6 +59,24 @@ def test_preemption_keeps_outputs_exact(llama):
         assert engine.allocator.num_free == config.num_blocks
     assert preemptions > 0, "the cache was meant to be too small"
     assert [results[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_full_length_admission_never_preempts_and_stays_exact(llama):
+    # The cache of the test above: eager admission preempts, full-length admission waits.
+    prompts = random_prompts(10, 10, 40, seed=4)
+    expected = [reference_greedy(llama, p, 30) for p in prompts]
+    stats = {}
+    for admission in ("eager", "full_length"):
+        config = EngineConfig(block_size=4, num_blocks=24, max_batch_tokens=32, admission=admission)
+        with EngineCore(llama, config) as engine:
+            for i, p in enumerate(prompts):
+                engine.add_request(p, SamplingParams(max_new_tokens=30), request_id=str(i))
+            results = run_until_done(engine)
+            assert engine.allocator.num_free == config.num_blocks
+            stats[admission] = dict(engine.stats)
+        assert [results[str(i)].token_ids for i in range(len(prompts))] == expected, admission
+    assert stats["eager"]["preemptions"] > 0
+    assert stats["full_length"]["preemptions"] == 0
 
 
 def test_requests_arriving_mid_run(llama):

@@ -150,6 +150,7 @@ def workloads(draw):
     max_num_seqs=st.integers(1, 8),
     swap_blocks=st.sampled_from([0, 0, 3, 64]),
     async_steps=st.booleans(),
+    admission=st.sampled_from(["eager", "full_length"]),
 )
 def test_every_request_finishes_without_leaks(
     requests,
@@ -161,6 +162,7 @@ def test_every_request_finishes_without_leaks(
     max_num_seqs,
     swap_blocks,
     async_steps,
+    admission,
 ):
     """Also under async scheduling: step N+1 is planned and run before step N's tokens
     are written back (the engine's order), so every check holds with placeholders."""
@@ -176,6 +178,7 @@ def test_every_request_finishes_without_leaks(
         max_num_seqs,
         enable_prefix_caching=caching,
         swap_blocks=swap_blocks,
+        admission=admission,
     )
     model = FakeModel(block_size)
     pending = [
@@ -240,6 +243,8 @@ def test_every_request_finishes_without_leaks(
     stats = scheduler.stats
     if not caching:
         assert stats["cached_tokens"] == 0 and allocator.num_evictable == 0
+    if admission == "full_length":
+        assert stats["preemptions"] == 0, "full-length admission let the cache overflow"
     event(f"preempted: {stats['preemptions'] > 0}, swapped: {stats['swapped_out'] > 0}")
     event(f"cache hits: {stats['cached_tokens'] > 0}, evictions: {allocator.num_evictions > 0}")
     computed = stats["decode_tokens"] + stats["prefill_tokens"] + stats["cached_tokens"]
