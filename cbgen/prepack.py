@@ -36,6 +36,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "CBGEN_NO_PREPACK"
+# Keep q/k/v and gate/up as separate GEMMs (for a model whose code cannot take the
+# column views that fused siblings return).
+NO_FUSE_ENV = "CBGEN_NO_FUSE"
 
 
 def prepack_supported() -> bool:
@@ -131,11 +134,15 @@ class PackedLinears:
 
     Only float32 CPU modules are packed; others are left alone. Siblings named in
     ``FUSED_SIBLINGS`` with the same input width share one packed GEMM
-    (``_SharedInput``). ``restore()`` (idempotent) gives every module its own
-    ``forward`` back.
+    (``_SharedInput``) unless ``fuse=False`` (default: on unless ``CBGEN_NO_FUSE=1``).
+    ``restore()`` (idempotent) gives every module its own ``forward`` back.
     """
 
-    def __init__(self, model: nn.Module, batch_size_hint: int = 64, fuse: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, batch_size_hint: int = 64, fuse: bool | None = None
+    ) -> None:
+        if fuse is None:
+            fuse = os.environ.get(NO_FUSE_ENV) != "1"
         self._modules: list[nn.Linear] = []
         self.released_bytes = 0  # resident bytes of original weights handed back to the OS
         self.fused_groups = 0

@@ -14,6 +14,7 @@ import cbgen
 from cbgen import EngineConfig, SamplingParams
 from cbgen.prepack import (
     DISABLE_ENV,
+    NO_FUSE_ENV,
     PackedLinears,
     file_backed_ranges,
     page_out,
@@ -81,6 +82,18 @@ def test_fused_siblings_match_separate_packing_in_any_call_order(bias):
         assert torch.equal(block.k_proj(x), want["k_proj"])
         fused.restore()
     assert not _overridden(block)
+
+
+def test_fusion_env_switch(monkeypatch):
+    monkeypatch.setenv(NO_FUSE_ENV, "1")
+    block = _Block(bias=False)
+    packed = PackedLinears(block)
+    assert packed.fused_groups == 0 and len(packed) == 5
+    packed.restore()
+    monkeypatch.delenv(NO_FUSE_ENV)
+    packed = PackedLinears(block)
+    assert packed.fused_groups == 2
+    packed.restore()
 
 
 def test_fused_model_logits_are_bitwise_those_of_separate_packing():
