@@ -50,15 +50,26 @@ def prepack_supported() -> bool:
     )
 
 
+def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
+    """``weight`` (``[out, in]``, float32, CPU) reordered into oneDNN's blocked layout."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight from ``pack_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _packed_forward(
     weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    linear_pointwise = torch.ops.mkldnn._linear_pointwise
-
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not _packable(x, weight):
             return F.linear(x, weight, bias)
-        return linear_pointwise(x, packed, bias, "none", [], "")
+        return packed_linear(x, packed, bias)
 
     return forward
 
@@ -79,15 +90,11 @@ class _SharedInput:
     """
 
     def __init__(self, modules: list[nn.Linear], batch_size_hint: int) -> None:
-        with torch.no_grad():
-            weight = torch.cat([m.weight.detach() for m in modules])
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
-            biases = [m.bias for m in modules]
-            self.bias = (
-                torch.cat([b.detach() for b in biases])
-                if all(b is not None for b in biases)
-                else None
-            )
+        self.packed = pack_weight(torch.cat([m.weight.detach() for m in modules]), batch_size_hint)
+        biases = [m.bias for m in modules]
+        self.bias = (
+            torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+        )
         bounds = [0]
         for m in modules:
             bounds.append(bounds[-1] + m.out_features)
@@ -99,14 +106,13 @@ class _SharedInput:
     def forward_for(self, index: int, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         weight = module.weight
         bias = module.bias.detach() if module.bias is not None else None
-        linear_pointwise = torch.ops.mkldnn._linear_pointwise
         count = len(self.columns)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not _packable(x, weight):
                 return F.linear(x, weight, bias)
             if self._input is not x or index not in self._waiting:
-                self._output = linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                self._output = packed_linear(x, self.packed, self.bias)
                 self._input = x
                 self._waiting = set(range(count))
             self._waiting.discard(index)
@@ -167,10 +173,7 @@ class PackedLinears:
         for module in model.modules():
             if not self._packable_module(module) or module in forwards:
                 continue
-            with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(
-                    module.weight.detach(), batch_size_hint
-                )
+            packed = pack_weight(module.weight, batch_size_hint)
             bias = module.bias.detach() if module.bias is not None else None
             forwards[module] = _packed_forward(module.weight, packed, bias)
             self.released_bytes += page_out(module.weight, file_maps)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..prepack import prepack_supported
+from ..prepack import pack_weight, packed_linear, prepack_supported
 
 
 def linear_shapes(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -52,9 +52,8 @@ def _linear_kernels(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor
         "F.linear": lambda x: F.linear(x, w)
     }
     if w.dtype == torch.float32 and w.device.type == "cpu" and prepack_supported():
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        pointwise = torch.ops.mkldnn._linear_pointwise
-        kernels["oneDNN prepacked"] = lambda x: pointwise(x, packed, None, "none", [], "")
+        packed = pack_weight(w, m)
+        kernels["oneDNN prepacked"] = lambda x: packed_linear(x, packed)
     return kernels
 
 
