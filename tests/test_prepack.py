@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny_model, random_prompts, reference_greedy
+from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
 from torch import nn
 
 import cbgen
@@ -163,11 +163,7 @@ def test_engine_greedy_matches_generate_with_prepack(monkeypatch):
         assert engine.runner.prepacked_linears > 0
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=16), request_id=str(i))
-        results = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out.token_ids
+        results = {rid: out.token_ids for rid, out in run_until_done(engine).items()}
     assert [results[str(i)] for i in range(len(prompts))] == expected
     assert not _overridden(model)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts, reference_greedy
+from conftest import random_prompts, reference_greedy, run_until_done
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
@@ -64,11 +64,7 @@ def test_bad_request_leaves_the_others_untouched(llama):
             engine.add_request([3], request_id="0")
         for i, p in enumerate(prompts[2:], start=2):
             engine.add_request(p, SamplingParams(max_new_tokens=12), request_id=str(i))
-        results = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out.token_ids
+        results = {rid: out.token_ids for rid, out in run_until_done(engine).items()}
         assert engine.allocator.num_free == 64
     assert [results[str(i)] for i in range(4)] == expected
 
