@@ -98,6 +98,11 @@ class _Step:
     in_flight_seen: int = 0  # chunks already folded into in_flight
 
 
+def _final_length(request: Request) -> int:
+    """The most tokens ``request`` can reach: its prompt plus ``max_new_tokens``."""
+    return len(request.prompt_token_ids) + request.params.max_new_tokens
+
+
 def _key(request: Request) -> tuple[int, int]:
     return request.sort_key
 
@@ -298,8 +303,7 @@ class Scheduler:
             revived = sum(1 for block in hits if self.allocator.ref_count(block) == 0)
             growth = 0  # blocks it may take later, kept free under full-length admission
             if self.full_length_admission:
-                final = len(request.prompt_token_ids) + request.params.max_new_tokens
-                growth = max(0, -(-final // bs) - total) * len(self.groups)
+                growth = max(0, -(-_final_length(request) // bs) - total) * len(self.groups)
             free = self.allocator.num_free - needed - revived - reserve
             if free < 0 or (self.running and free < growth):  # alone, it always fits
                 break
@@ -462,8 +466,8 @@ class Scheduler:
 
     def _blocks_to_finish(self, request: Request) -> int:
         """Blocks ``request`` may still take: up to its prompt plus ``max_new_tokens``."""
-        final = len(request.prompt_token_ids) + request.params.max_new_tokens
-        return self._blocks_needed(request, max(0, final - request.num_computed_tokens))
+        remaining = _final_length(request) - request.num_computed_tokens
+        return self._blocks_needed(request, max(0, remaining))
 
     def _grow(self, request: Request, num_tokens: int) -> None:
         """Give every group of ``request`` the blocks for ``num_tokens`` more tokens."""
