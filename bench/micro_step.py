@@ -8,8 +8,12 @@ medians: on a shared machine absolute timings drift, so only variants measured
 side by side are compared. Times are the main thread's CPU time with one thread
 (immune to being descheduled), wall time otherwise. Variants:
 
-* ``prepack`` / ``no-prepack``: oneDNN prepacked linear maps on or off;
-* ``unfused``: prepacked, but q/k/v and gate/up as separate GEMMs;
+* ``fast``: the default, prepacked weights and the decoder fast path
+  (``cbgen.fast_forward``);
+* ``prepack`` / ``no-prepack``: the model's own forward, with oneDNN prepacked
+  linear maps on or off;
+* ``unfused``: the model's own forward, prepacked, but q/k/v and gate/up as
+  separate GEMMs;
 * ``kernel`` / ``torch-attn``: the native paged decode kernel or the torch path.
 
 ``--profile`` prints a torch.profiler table of a few steps of the first variant.
@@ -26,6 +30,7 @@ import torch
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
+from cbgen.fast_forward import build_fast_forward
 from cbgen.kernels import decode_kernel
 from cbgen.prepack import PackedLinears
 
@@ -48,11 +53,14 @@ def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
     runner, builder, model = engine.runner, engine.batch_builder, engine.model
     kernel = decode_kernel()
 
-    def prepack(on: bool, fuse: bool = True) -> Callable[[], None]:
+    def prepack(on: bool, fuse: bool = True, fast: bool = True) -> Callable[[], None]:
         def apply() -> None:
             if runner._packed is not None:
                 runner._packed.restore()
             runner._packed = PackedLinears(model, fuse=fuse) if on else None
+            runner.fast_forward = (
+                build_fast_forward(model, runner._packed, runner.probe, kernel) if fast else None
+            )
 
         return apply
 
@@ -63,7 +71,8 @@ def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
         return apply
 
     return {
-        "prepack": prepack(True),
+        "fast": prepack(True),
+        "prepack": prepack(True, fast=False),
         "no-prepack": prepack(False),
         "unfused": prepack(True, fuse=False),
         "kernel": attn(True),
@@ -77,7 +86,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5, help="steps per variant")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compare", default="no-prepack,prepack", help="comma-separated variants")
+    parser.add_argument("--compare", default="prepack,fast", help="comma-separated variants")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -149,17 +149,39 @@ def paged_attention(
     if isinstance(metadata, ProbeRecord):
         return _probe(metadata, module, q, k, v, scale, sliding_window)
 
-    layer = metadata.layer_of_module[id(module)]
-    tables: AttentionMetadata | GroupTables = (
-        metadata.groups[metadata.layer_group[layer]] if metadata.groups else metadata
+    out = attend(
+        metadata, metadata.layer_of_module[id(module)], q, k, v, scale, sliding_window, softcap
     )
+    return out.unsqueeze(0), None
+
+
+def attend(
+    metadata: AttentionMetadata,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    store: bool = True,
+) -> torch.Tensor:
+    """Store layer ``layer``'s new K/V in the paged cache (unless the caller already
+    did: ``store=False``), then attend.
+
+    ``q`` is ``[heads, tokens, dim]``, ``k``/``v`` ``[kv_heads, tokens, dim]`` (views
+    of any layout). Returns ``[tokens, heads, value_dim]``. Both the transformers
+    attention hook above and the decoder fast path (``cbgen.fast_forward``) call it.
+    """
+    tables = layer_tables(metadata, layer)
     cache = metadata.cache
-    cache.write(layer, tables.slot_mapping, k, v)
+    if store:
+        cache.write(layer, tables.slot_mapping, k, v)
     key_cache, value_cache = cache.keys[layer], cache.values[layer]
 
     kernel = metadata.decode_kernel
     if metadata.decode_only and kernel is not None:
-        out = kernel.paged_decode_attention(
+        return kernel.paged_decode_attention(
             q.transpose(0, 1).contiguous(),
             key_cache,
             value_cache,
@@ -169,10 +191,9 @@ def paged_attention(
             sliding_window or 0,
             softcap or 0.0,
         )
-        return out.unsqueeze(0), None
     if metadata.decode_only:
         out = _decode_attention(q, key_cache, value_cache, tables, scale, sliding_window, softcap)
-        return out.transpose(0, 1).unsqueeze(0), None
+        return out.transpose(0, 1)
 
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     if metadata.decode_rows is not None and kernel is not None:
@@ -208,7 +229,12 @@ def paged_attention(
         out[:, rows] = _prefill_attention(
             q[:, rows], span_k, span_v, span, scale, sliding_window, softcap, key_start
         )
-    return out.transpose(0, 1).unsqueeze(0), None
+    return out.transpose(0, 1)
+
+
+def layer_tables(metadata: AttentionMetadata, layer: int) -> AttentionMetadata | GroupTables:
+    """The slot mapping and block tables that layer ``layer`` reads this step."""
+    return metadata.groups[metadata.layer_group[layer]] if metadata.groups else metadata
 
 
 def _decode_attention(

@@ -21,7 +21,7 @@ from .kernels import decode_kernel
 from .openmp import release_thread_team
 from .output import OutputProcessor, PendingSamples
 from .request import FinishReason, Request, RequestOutput, RequestStatus
-from .runner import ModelRunner
+from .runner import ModelRunner, model_device
 from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, make_scheduler
@@ -42,7 +42,14 @@ class EngineCore:
         self.config = config or EngineConfig()
         model.eval()
         self.model = model
-        self.runner = ModelRunner(model, prepack_linear=self.config.prepack_linear)
+        self.kernels = (
+            decode_kernel()
+            if self.config.use_native_kernels and model_device(model).type == "cpu"
+            else None
+        )
+        self.runner = ModelRunner(
+            model, prepack_linear=self.config.prepack_linear, kernels=self.kernels
+        )
         try:
             self._build(model)
         except BaseException:
@@ -93,7 +100,7 @@ class EngineCore:
         self.batch_builder = BatchBuilder(
             self.cache,
             self.runner.probe.layer_of_module,
-            self._decode_kernel(config),
+            self.kernels,
             self.cache_groups,
         )
         self.sampler = Sampler()
@@ -122,11 +129,6 @@ class EngineCore:
             self.max_model_len,
             "; ".join(g.describe() for g in self.cache_groups),
         )
-
-    def _decode_kernel(self, config: EngineConfig) -> object | None:
-        if not config.use_native_kernels or self.runner.device.type != "cpu":
-            return None
-        return decode_kernel()
 
     # -- requests -----------------------------------------------------------------------
 

@@ -90,6 +90,7 @@ class _SharedInput:
     """
 
     def __init__(self, modules: list[nn.Linear], batch_size_hint: int) -> None:
+        self.members = tuple(modules)  # in column order
         self.packed = pack_weight(torch.cat([m.weight.detach() for m in modules]), batch_size_hint)
         biases = [m.bias for m in modules]
         self.bias = (
@@ -150,6 +151,9 @@ class PackedLinears:
         if fuse is None:
             fuse = os.environ.get(NO_FUSE_ENV) != "1"
         self._modules: list[nn.Linear] = []
+        # What serves each module: its own packed weight and bias, or a fused group.
+        self._single: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._fused: dict[nn.Linear, _SharedInput] = {}
         self.released_bytes = 0  # resident bytes of original weights handed back to the OS
         self.fused_groups = 0
         if not prepack_supported():
@@ -167,6 +171,7 @@ class PackedLinears:
                     group = _SharedInput(siblings, batch_size_hint)
                     for index, module in enumerate(siblings):
                         forwards[module] = group.forward_for(index, module)
+                        self._fused[module] = group
                         # Released as soon as packed: the peak holds one copy, not two.
                         self.released_bytes += page_out(module.weight, file_maps)
                     self.fused_groups += 1
@@ -176,6 +181,7 @@ class PackedLinears:
             packed = pack_weight(module.weight, batch_size_hint)
             bias = module.bias.detach() if module.bias is not None else None
             forwards[module] = _packed_forward(module.weight, packed, bias)
+            self._single[module] = (packed, bias)
             self.released_bytes += page_out(module.weight, file_maps)
         for module, forward in forwards.items():
             module.forward = forward  # type: ignore[method-assign]
@@ -193,10 +199,28 @@ class PackedLinears:
     def __len__(self) -> int:
         return len(self._modules)
 
+    def packed_weight(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed weight and bias serving ``module`` alone (None: fused, or not packed)."""
+        return self._single.get(module)  # type: ignore[call-overload]
+
+    def fused_weight(
+        self, modules: tuple[nn.Module, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed weight and bias of one fused group holding exactly ``modules`` in
+        this order (their outputs side by side), or None."""
+        group = self._fused.get(modules[0])  # type: ignore[call-overload]
+        if group is None or len(group.members) != len(modules):
+            return None
+        if any(a is not b for a, b in zip(group.members, modules, strict=True)):
+            return None
+        return group.packed, group.bias
+
     def restore(self) -> None:
         for module in self._modules:
             module.__dict__.pop("forward", None)
         self._modules = []
+        self._single.clear()
+        self._fused.clear()
 
 
 _MADV_DONTNEED = 4

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from . import attention
 from .attention import ProbeRecord, attention_context
 from .batch import StepBatch
+from .fast_forward import FastForward, build_fast_forward
 from .prepack import PackedLinears, prepack_enabled_by_default
 
 
@@ -23,12 +26,24 @@ class ModelRunner:
     oneDNN prepacked weights for the runner's lifetime (``cbgen.prepack``; the
     linear maps are most of a CPU decode step). ``None`` means on for float32
     models on CPU unless ``CBGEN_NO_PREPACK=1``; ``close()`` undoes it.
+
+    ``kernels`` is the compiled native-kernel module (``cbgen.kernels``) or None.
+    With it and prepacked weights, Llama-family models run their decoder through
+    ``cbgen.fast_forward`` instead of the model's ``forward`` (``fast_forward`` says
+    which one this runner uses).
     """
 
-    def __init__(self, model: torch.nn.Module, *, prepack_linear: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        prepack_linear: bool | None = None,
+        kernels: ModuleType | None = None,
+    ) -> None:
         self.model = model
         self._packed: PackedLinears | None = None
-        self.device = _model_device(model)
+        self.fast_forward: FastForward | None = None
+        self.device = model_device(model)
         attention.register()
         self._original_attention = model.config._attn_implementation
         model.set_attn_implementation(attention.ATTENTION_NAME)
@@ -45,6 +60,7 @@ class ModelRunner:
                 prepack_linear = prepack_enabled_by_default(model)
             if prepack_linear:
                 self._packed = PackedLinears(model)
+            self.fast_forward = build_fast_forward(model, self._packed, self.probe, kernels)
         except BaseException:
             self.close()
             raise
@@ -70,6 +86,9 @@ class ModelRunner:
             logits_to_keep: int | torch.Tensor = 1  # nothing to sample; keep the LM head tiny
         else:
             logits_to_keep = batch.logits_indices
+        if self.fast_forward is not None:
+            with torch.inference_mode():
+                return self.fast_forward(batch)
         with torch.inference_mode(), attention_context(batch.attention):
             output = self.model(
                 input_ids=batch.input_ids,
@@ -86,6 +105,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Give the model back its own linear maps and attention implementation (idempotent)."""
+        self.fast_forward = None
         if self._packed is not None:
             self._packed.restore()
             self._packed = None
@@ -94,7 +114,7 @@ class ModelRunner:
             self._original_attention = None
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
     except StopIteration:

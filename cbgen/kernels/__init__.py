@@ -1,7 +1,9 @@
 """Optional native kernels, compiled on first use; pure-torch paths stand in when they can't be.
 
 The paged decode attention kernel reads K/V straight from the block tables, once
-per layer, instead of gathering a padded copy first. It is built with
+per layer, instead of gathering a padded copy first; the layer ops (RMSNorm with
+the residual add, rotary embedding of a fused q/k/v projection) serve the
+decoder fast path (``cbgen.fast_forward``). They are built with
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) into
 ``$CBGEN_CACHE_DIR/kernels/<machine key>``; a failed build is reported once and
 the engine keeps running on the torch path. ``CBGEN_NO_KERNELS=1`` turns it off.
@@ -25,6 +27,9 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
+
+# Compiled into one extension module; bindings.cpp declares what Python sees.
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "bindings.cpp")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -54,12 +59,12 @@ def _build() -> ModuleType:
 
     from ..models import cache_dir
 
-    source = Path(__file__).with_name("paged_decode.cpp")
+    here = Path(__file__).parent
     build_dir = cache_dir() / "kernels" / machine_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
-        name="cbgen_paged_decode",
-        sources=[str(source)],
+        name="cbgen_cpu_kernels",
+        sources=[str(here / name) for name in SOURCES],
         extra_cflags=compile_flags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -68,8 +73,13 @@ def _build() -> ModuleType:
 
 
 def compile_flags() -> list[str]:
-    """``-march=native`` where the SIMD paths need it (x86-64); plain ``-O3`` elsewhere."""
-    flags = ["-O3", "-fopenmp"]
+    """``-march=native`` where the SIMD paths need it (x86-64); plain ``-O3`` elsewhere.
+
+    ``-ffp-contract=off`` keeps the compiler from fusing a product and a sum into
+    one FMA where the source rounds them separately: the layer ops reproduce
+    transformers' arithmetic operation by operation.
+    """
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-march=native")
     return flags

@@ -479,7 +479,3 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-}

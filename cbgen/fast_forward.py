@@ -1,0 +1,275 @@
+"""The decoder forward of Llama-family models, run without transformers' module code.
+
+A 64-row decode step of SmolLM2 on 2 CPU cores spent about 50 of its ~185 ms
+outside the matrix multiplies: each of the 30 layers made some 30 torch calls
+for RMSNorm, the rotary embedding, views and residual adds on 64 x 576 tensors,
+through a few hundred Python frames of module code. For the architectures
+whose layers are exactly "RMSNorm, q/k/v with rotary embedding, attention, o,
+residual, RMSNorm, SiLU-gated MLP, residual" (``SUPPORTED_MODEL_TYPES``), this
+module runs the same arithmetic as nine calls a layer: the prepacked GEMMs
+(fused q/k/v and gate/up), the paged attention, and two fused C++ ops
+(``add_rms_norm``; ``rope_qkv``, which also stores the new K/V in the paged
+cache; both in ``cbgen/kernels/layer_ops.cpp``).
+
+Everything else stays transformers': the embedding and the rotary module
+(``rotary_emb``, whatever its scaling type) are called as the model calls them,
+and the weights are the model's own. Results follow the module path's formulas
+operation by operation; only the RMSNorm's sum of squares is added in another
+order (see ``layer_ops.cpp``).
+
+The fast path is taken only when nothing could observe the difference: float32
+on CPU with prepacked linear maps and the native kernels built, no hooks on any
+module, and every layer of the expected shape. Otherwise (and with
+``CBGEN_NO_FAST_FORWARD=1``) the runner calls the model's ``forward``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import ProbeRecord, attend, layer_tables
+from .batch import StepBatch
+from .prepack import PackedLinears, packed_linear
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "CBGEN_NO_FAST_FORWARD"
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+_Packed = tuple[torch.Tensor, torch.Tensor | None]  # packed weight, bias
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int  # the cache layer
+    input_norm: torch.Tensor
+    input_eps: float
+    qkv: _Packed
+    o: _Packed
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: _Packed
+    down: _Packed
+    intermediate: int
+    scale: float
+    sliding_window: int | None
+
+
+class FastForward:
+    """Callable on a ``StepBatch``; returns the sampled rows' logits ``[samples, vocab]``.
+
+    Build it with ``build_fast_forward``, which decides whether the model qualifies.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[_Layer],
+        lm_head: _Packed,
+        kernels: ModuleType,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        base = model.model  # type: ignore[union-attr]
+        self._embedding = base.embed_tokens.weight
+        self._rotary = base.rotary_emb
+        self._norm = base.norm.weight.detach()
+        self._norm_eps = float(base.norm.variance_epsilon)
+        self._layers = layers
+        self._lm_head = lm_head
+        self._kernels = kernels
+        self._heads, self._kv_heads, self._head_dim = heads, kv_heads, head_dim
+        self.vocab_size = int(model.lm_head.out_features)  # type: ignore[union-attr]
+
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        kernels, metadata = self._kernels, batch.attention
+        cache = metadata.cache
+        ids = batch.input_ids[0]
+        tokens = ids.shape[0]
+        hidden = F.embedding(ids, self._embedding)
+        cos, sin = self._rotary(hidden.unsqueeze(0), batch.position_ids)
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        q_width = self._heads * self._head_dim
+        kv_width = self._kv_heads * self._head_dim
+        kv_shape = (tokens, self._kv_heads, self._head_dim)
+        delta: torch.Tensor | None = None
+        for layer in self._layers:
+            x = kernels.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps)
+            qkv = packed_linear(x, *layer.qkv)
+            q = kernels.rope_qkv(
+                qkv,
+                cos,
+                sin,
+                self._heads,
+                self._kv_heads,
+                cache.keys[layer.index],
+                cache.values[layer.index],
+                layer_tables(metadata, layer.index).slot_mapping,
+            )
+            k = qkv[:, q_width : q_width + kv_width].view(kv_shape)
+            v = qkv[:, q_width + kv_width :].view(kv_shape)
+            out = attend(
+                metadata,
+                layer.index,
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                layer.scale,
+                layer.sliding_window,
+                store=False,  # rope_qkv stored them
+            )
+            delta = packed_linear(out.reshape(tokens, -1), *layer.o)
+            x = kernels.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps)
+            gate_up = packed_linear(x, *layer.gate_up)
+            act = F.silu(gate_up[:, : layer.intermediate])
+            act.mul_(gate_up[:, layer.intermediate :])
+            delta = packed_linear(act, *layer.down)
+        rows = batch.logits_indices
+        if rows.numel() == 0:
+            return hidden.new_empty(0, self.vocab_size)
+        assert delta is not None
+        x = kernels.add_rms_norm(
+            hidden.index_select(0, rows), delta.index_select(0, rows), self._norm, self._norm_eps
+        )
+        return packed_linear(x, *self._lm_head)
+
+
+def build_fast_forward(
+    model: nn.Module,
+    packed: PackedLinears | None,
+    probe: ProbeRecord,
+    kernels: ModuleType | None,
+) -> FastForward | None:
+    """A ``FastForward`` for ``model``, or None (logged) when it does not qualify."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    try:
+        return _build(model, packed, probe, kernels)
+    except _Unsupported as reason:
+        logger.info("cbgen: decoder fast path off: %s", reason)
+        return None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise _Unsupported(reason)
+
+
+def _build(
+    model: nn.Module,
+    packed: PackedLinears | None,
+    probe: ProbeRecord,
+    kernels: ModuleType | None,
+) -> FastForward:
+    _require(kernels is not None and hasattr(kernels, "rope_qkv"), "no native kernels")
+    _require(packed is not None and len(packed) > 0, "linear maps are not prepacked")
+    assert packed is not None and kernels is not None
+    config = model.config
+    _require(
+        getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES,
+        f"model type {getattr(config, 'model_type', None)!r} is not one of "
+        f"{sorted(SUPPORTED_MODEL_TYPES)}",
+    )
+    _require(_hook_free(model), "a module has forward hooks")
+    base = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        _require(hasattr(base, name), f"the base model has no {name}")
+    assert base is not None
+    _require(isinstance(base.embed_tokens, nn.Embedding), "the embedding is not nn.Embedding")
+    _require(base.embed_tokens.weight.dtype == torch.float32, "weights are not float32")
+    _require(_is_rms_norm(base.norm), "the final norm is not an RMSNorm")
+    _require(getattr(config, "hidden_act", None) == "silu", "the MLP activation is not SiLU")
+    lm_head = packed.packed_weight(getattr(model, "lm_head", None))  # type: ignore[arg-type]
+    _require(lm_head is not None, "the LM head is not prepacked")
+    assert lm_head is not None
+
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    first = base.layers[0].self_attn if len(base.layers) else None
+    head_dim = int(getattr(first, "head_dim", 0))
+    _require(head_dim > 0 and head_dim % 2 == 0, "no even head_dim on the attention module")
+    _require(_rotary_width(base, head_dim), "the rotary embedding does not span the head")
+
+    layers = []
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+        _require(not any(hasattr(attn, name) for name in ("q_norm", "k_norm")), "q/k norms")
+        _require(id(attn) in probe.layer_of_module, "an attention module the probe did not see")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _require(_is_rms_norm(norm), "a layer norm is not an RMSNorm")
+        _require(
+            getattr(attn, "head_dim", None) == head_dim
+            and attn.q_proj.out_features == heads * head_dim
+            and attn.k_proj.out_features == kv_heads * head_dim
+            and attn.v_proj.out_features == kv_heads * head_dim,
+            "attention heads differ from the config",
+        )
+        _require(
+            type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"),
+            "the MLP is not SiLU-gated",
+        )
+        qkv = packed.fused_weight((attn.q_proj, attn.k_proj, attn.v_proj))
+        gate_up = packed.fused_weight((mlp.gate_proj, mlp.up_proj))
+        o, down = packed.packed_weight(attn.o_proj), packed.packed_weight(mlp.down_proj)
+        _require(
+            None not in (qkv, gate_up, o, down), "a layer's linear maps are not packed and fused"
+        )
+        index = probe.layer_of_module[id(attn)]
+        layers.append(
+            _Layer(
+                index=index,
+                input_norm=layer.input_layernorm.weight.detach(),
+                input_eps=float(layer.input_layernorm.variance_epsilon),
+                qkv=qkv,  # type: ignore[arg-type]
+                o=o,  # type: ignore[arg-type]
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+                gate_up=gate_up,  # type: ignore[arg-type]
+                down=down,  # type: ignore[arg-type]
+                intermediate=int(mlp.gate_proj.out_features),
+                scale=float(attn.scaling),
+                sliding_window=probe.layers[index].sliding_window,
+            )
+        )
+    _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
+    return FastForward(model, layers, lm_head, kernels, heads, kv_heads, head_dim)
+
+
+def _hook_free(model: nn.Module) -> bool:
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    return not any(
+        m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()
+    )
+
+
+def _is_rms_norm(module: object) -> bool:
+    """transformers' Llama-style RMSNorm: ``weight * x / rms(x)`` in float32."""
+    return (
+        type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+        and getattr(module, "weight", None) is not None
+        and module.weight.dtype == torch.float32  # type: ignore[attr-defined]
+        and hasattr(module, "variance_epsilon")
+    )
+
+
+def _rotary_width(base: nn.Module, head_dim: int) -> bool:
+    probe = torch.zeros(1, 1, 1)
+    positions = torch.zeros(1, 1, dtype=torch.long)
+    with torch.inference_mode():
+        cos, sin = base.rotary_emb(probe, positions)  # type: ignore[operator]
+    return cos.shape[-1] == head_dim and sin.shape[-1] == head_dim

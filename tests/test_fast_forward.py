@@ -1,0 +1,94 @@
+"""The decoder fast path (``cbgen.fast_forward``): when it is taken, and that it computes
+what the model's own forward computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model, random_prompts, run_until_done
+
+from cbgen import EngineConfig, EngineCore, SamplingParams
+from cbgen.fast_forward import DISABLE_ENV
+from cbgen.kernels import decode_kernel
+from cbgen.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
+
+FAST = ["llama", "qwen2", "mistral", "mistral-sliding"]
+NOT_FAST = ["qwen3", "phi3", "gemma", "granite", "gpt2"]
+
+
+@pytest.mark.parametrize("arch", FAST + NOT_FAST)
+def test_taken_exactly_for_llama_family_layers(arch):
+    with EngineCore(make_tiny_model(arch)) as engine:
+        assert (engine.runner.fast_forward is not None) == (arch in FAST)
+
+
+@pytest.mark.parametrize("arch", FAST)
+def test_step_logits_match_the_model_forward(arch):
+    """Every step of a run with chunked prefill, decodes and a mixed batch: the fast
+    path's logits against the model's own forward on the same batch."""
+    model = make_tiny_model(arch)
+    config = EngineConfig(max_batch_tokens=24, block_size=4)
+    with EngineCore(model, config) as engine:
+        runner = engine.runner
+        fast = runner.fast_forward
+        assert fast is not None
+        compared = []
+
+        def both(batch):
+            logits = fast(batch)
+            runner.fast_forward = None  # the module path, on the same batch and cache
+            try:
+                reference = ModelRunner.execute(runner, batch)
+            finally:
+                runner.fast_forward = both
+            torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+            compared.append(batch.attention.decode_only)
+            return logits
+
+        runner.fast_forward = both
+        for prompt in random_prompts(5, 3, 30, seed=1):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        run_until_done(engine)
+    assert True in compared and False in compared  # decode-only and mixed steps both ran
+
+
+def test_outputs_equal_with_and_without_the_fast_path(monkeypatch):
+    model = make_tiny_model("qwen2", seed=3)
+    prompts = random_prompts(12, 1, 40, seed=2)
+    config = EngineConfig(max_batch_tokens=32, block_size=4, num_blocks=24)  # preempts
+
+    def run() -> tuple[list[list[int]], bool]:
+        with EngineCore(model, config) as engine:
+            for prompt in prompts:
+                engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+            results = run_until_done(engine)
+            assert engine.stats["preemptions"] > 0
+            return [r.token_ids for r in results.values()], engine.runner.fast_forward is not None
+
+    fast_tokens, fast_on = run()
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    module_tokens, module_on = run()
+    assert fast_on and not module_on
+    assert fast_tokens == module_tokens
+
+
+def test_a_forward_hook_keeps_the_model_forward(llama):
+    calls = []
+    handle = llama.model.layers[0].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with EngineCore(llama) as engine:
+            assert engine.runner.fast_forward is None
+            engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+            run_until_done(engine)
+    finally:
+        handle.remove()
+    assert len(calls) >= 2  # the probe, then every step
+
+
+def test_close_drops_the_fast_path(llama):
+    engine = EngineCore(llama)
+    assert engine.runner.fast_forward is not None
+    engine.close()
+    assert engine.runner.fast_forward is None

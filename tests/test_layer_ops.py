@@ -1,0 +1,93 @@
+"""The fused layer ops (``cbgen/kernels/layer_ops.cpp``) against transformers' own formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from cbgen.kernels import decode_kernel
+
+kernels = decode_kernel()
+pytestmark = pytest.mark.skipif(kernels is None, reason="native kernels could not be built")
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (37, 4, 2, 16)])
+def test_rope_qkv_is_bitwise_apply_rotary_pos_emb(tokens, heads, kv_heads, dim):
+    torch.manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 4
+    cos, sin = torch.randn(tokens, dim), torch.randn(tokens, dim)
+    q_ref = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
+    k_ref = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q_ref, k_ref.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)
+    )
+    fused = qkv.clone()
+    q = kernels.rope_qkv(fused, cos, sin, heads, kv_heads)
+    assert q.shape == (tokens, heads, dim) and q.is_contiguous()
+    assert torch.equal(q, q_ref[0].transpose(0, 1))
+    k = fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    assert torch.equal(k, k_ref[0].transpose(0, 1))  # keys rotated in place
+    v_cols = slice((heads + kv_heads) * dim, None)
+    assert torch.equal(fused[:, v_cols], qkv[:, v_cols])  # values untouched
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_llama_rms_norm(rows, with_delta):
+    torch.manual_seed(rows)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576)
+    residual, delta = torch.randn(rows, 576) * 3, torch.randn(rows, 576)
+    expected_residual = residual + delta if with_delta else residual.clone()
+    with torch.no_grad():
+        expected = norm(expected_residual)
+    out = kernels.add_rms_norm(residual, delta if with_delta else None, norm.weight.data, 1e-5)
+    assert torch.equal(residual, expected_residual)  # the residual add happens in place
+    # Only the variance's sum runs in another order: a few ulps at most.
+    torch.testing.assert_close(out, expected, rtol=4e-7, atol=1e-6)
+
+
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
+    x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.add_rms_norm(x, None, torch.ones(16), 1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.add_rms_norm(x.double(), None, torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="delta"):
+        kernels.add_rms_norm(x, torch.randn(3, 32), torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        kernels.rope_qkv(torch.randn(4, 100), torch.randn(4, 16), torch.randn(4, 16), 2, 1)
+
+
+def test_rope_qkv_stores_keys_and_values_where_the_cache_write_would():
+    from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
+
+    torch.manual_seed(1)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 8
+    spec = LayerSpec(kv_heads, dim, dim, torch.float32)
+    fused_cache = PagedKVCache([spec], num_blocks=6, block_size=4, device=torch.device("cpu"))
+    written_cache = PagedKVCache([spec], num_blocks=6, block_size=4, device=torch.device("cpu"))
+    slots = torch.tensor([3, 9, 10, 22, 0])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    cos, sin = torch.randn(tokens, dim), torch.randn(tokens, dim)
+    q = kernels.rope_qkv(
+        qkv, cos, sin, heads, kv_heads, fused_cache.keys[0], fused_cache.values[0], slots
+    )
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    written_cache.write(0, slots, k.transpose(0, 1), v.transpose(0, 1))
+    assert torch.equal(fused_cache.keys[0], written_cache.keys[0])
+    assert torch.equal(fused_cache.values[0], written_cache.values[0])
+    assert q.shape == (tokens, heads, dim)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.rope_qkv(
+            qkv,
+            cos,
+            sin,
+            heads,
+            kv_heads,
+            fused_cache.keys[0],
+            fused_cache.values[0],
+            torch.tensor([0, 1, 2, 3, 24]),
+        )
