@@ -310,7 +310,11 @@ class Scheduler:
             reserve += growth
             self.waiting.pop(0)
             self.allocator.share(hits)
-            request.block_ids = hits + self.allocator.allocate(total - len(hits))
+            request.block_ids = hits + self.allocator.allocate(
+                total - len(hits),
+                after=hits[-1] if hits else None,
+                region=-(-_final_length(request) // bs) - len(hits),
+            )
             if len(self.groups) > 1:
                 self._more_tables[request] = [
                     self.allocator.allocate(total) for _ in self.groups[1:]
@@ -471,10 +475,18 @@ class Scheduler:
 
     def _grow(self, request: Request, num_tokens: int) -> None:
         """Give every group of ``request`` the blocks for ``num_tokens`` more tokens."""
-        total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
+        bs = self.block_size
+        total = -(-(request.num_computed_tokens + num_tokens) // bs)
+        final = -(-_final_length(request) // bs)
         for blocks in self.block_tables(request):
             if total > len(blocks):
-                blocks.extend(self.allocator.allocate(total - len(blocks)))
+                blocks.extend(
+                    self.allocator.allocate(
+                        total - len(blocks),
+                        after=blocks[-1] if blocks else None,
+                        region=final - len(blocks),
+                    )
+                )
 
     def _drop_out_of_window(self, request: Request) -> None:
         """Free the blocks of windowed groups that no future query of ``request`` reads."""

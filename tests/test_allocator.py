@@ -33,26 +33,62 @@ def test_over_allocation_and_double_free_are_errors():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=60), st.integers(1, 20))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["new", "grow", "free"]), st.integers(0, 6), st.integers(0, 8)),
+        max_size=60,
+    ),
+    st.integers(1, 20),
+)
 def test_random_operations_never_leak_or_share(ops, num_blocks):
+    """Placement hints (``after``, ``region``) never change what is handed out, only where."""
     allocator = BlockAllocator(num_blocks)
     owned: list[list[int]] = []
-    for do_alloc, n in ops:
-        if do_alloc or not owned:
-            if n <= allocator.num_free:
-                owned.append(allocator.allocate(n))
-            else:
-                with pytest.raises(OutOfBlocksError):
-                    allocator.allocate(n)
-        else:
+    for action, n, extra in ops:
+        if action == "free" and owned:
             allocator.free(owned.pop(n % len(owned)))
+        elif n > allocator.num_free:
+            with pytest.raises(OutOfBlocksError):
+                allocator.allocate(n)
+        elif action == "grow" and owned and owned[n % len(owned)]:
+            blocks = owned[n % len(owned)]
+            blocks.extend(allocator.allocate(n, after=blocks[-1], region=n + extra))
+        else:
+            owned.append(allocator.allocate(n, region=n + extra))
         held = [b for blocks in owned for b in blocks]
         assert len(held) == len(set(held)), "a block was handed out twice"
         assert allocator.num_free + len(held) == num_blocks
         assert all(allocator.ref_count(b) == 1 for b in held)
+        allocator.check_invariants()
     for blocks in owned:
         allocator.free(blocks)
     assert allocator.num_free == num_blocks
+    allocator.check_invariants()
+
+
+def test_requests_growing_side_by_side_keep_their_blocks_in_a_row():
+    """Each new run starts past the others' regions, so interleaved growth stays
+    contiguous per request while the cache has room."""
+    allocator = BlockAllocator(64)
+    runs = [allocator.allocate(2, region=8) for _ in range(4)]
+    for _ in range(6):  # one block each per round, as decode steps take them
+        for blocks in runs:
+            blocks.extend(allocator.allocate(1, after=blocks[-1], region=8 - len(blocks)))
+    for blocks in runs:
+        assert blocks == list(range(blocks[0], blocks[0] + 8))
+    freed = runs.pop(0)
+    allocator.free(freed)
+    # The freed region is open again: the next run starts there, lowest first.
+    assert allocator.allocate(3, region=8) == freed[:3]
+
+
+def test_placement_falls_back_to_any_free_block_when_regions_fill_the_cache():
+    allocator = BlockAllocator(6)
+    first = allocator.allocate(1, region=4)  # keeps blocks 1-3 for itself
+    second = allocator.allocate(2, region=2)
+    assert first == [0] and second == [4, 5]
+    third = allocator.allocate(3, region=3)  # only the first run's room is left
+    assert sorted(third) == [1, 2, 3] and allocator.num_free == 0
 
 
 # -- prefix caching: sharing, LRU eviction --------------------------------------------
@@ -161,5 +197,5 @@ def test_random_sharing_keeps_counts_exact_and_never_leaks(ops, num_blocks, bloc
     for _, blocks in owners:
         allocator.free(reversed(blocks))
     allocator.check_invariants()
-    assert allocator.num_free == num_blocks == len(allocator._free) + allocator.num_evictable
+    assert allocator.num_free == num_blocks == allocator._num_plain_free + allocator.num_evictable
     assert all(allocator.ref_count(b) == 0 for b in range(num_blocks))

@@ -19,9 +19,7 @@ class BlockAllocator:
 
     * **in use**: reference count >= 1 (more than one when requests share a cached
       prefix block);
-    * **free**: count 0 and no content worth keeping; the free list is a stack,
-      so the block freed last is reused first and a long run keeps touching the
-      same (warm, already committed) memory;
+    * **free**: count 0 and no content worth keeping;
     * **evictable**: count 0 but registered in the prefix cache under a block
       hash (``cache_block``), so a later request with the same prefix can take it
       back with ``share``. These sit in least-recently-freed order.
@@ -29,13 +27,29 @@ class BlockAllocator:
     ``allocate`` hands out free blocks first and only then evicts the least
     recently used evictable block (dropping its hash). ``num_free`` counts both
     kinds, since either can be allocated.
+
+    Where a free block goes matters on CPU: the decode kernel reads a request's
+    blocks in order, and the hardware prefetcher follows a contiguous run of
+    memory but not scattered pages (a 64-request decode step of SmolLM2 at 400
+    tokens of context took 199 ms with each request's blocks in a row and 259 ms
+    with them shuffled). So ``allocate`` places blocks: it continues a request's
+    run (``after``) while the next block is free, and starts a new run at the
+    lowest block that begins ``region`` open blocks in a row. The blocks of that
+    region past the ones taken stay free but not *open*: other new runs start
+    elsewhere while there is room, so the request can grow in place. Freeing a
+    block reopens it and the closed free blocks after it (the rest of its
+    owner's region). The lowest-first choice also keeps the touched part of a
+    lazily committed cache small. Placement is only a preference: any free block
+    serves when the preferred ones are taken.
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_blocks  # 1: plain free (not evictable)
+        self._open = bytearray(b"\x01") * num_blocks  # 1: free and in nobody's region
+        self._num_plain_free = num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
@@ -47,7 +61,7 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks ``allocate`` can hand out: truly free plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return self._num_plain_free + len(self._evictable)
 
     @property
     def num_evictable(self) -> int:
@@ -70,23 +84,62 @@ class BlockAllocator:
 
     # -- plain allocation ---------------------------------------------------------------
 
-    def allocate(self, count: int) -> list[int]:
-        """``count`` blocks with a reference count of one, evicting cached ones if needed."""
+    def allocate(self, count: int, after: int | None = None, region: int = 0) -> list[int]:
+        """``count`` blocks with a reference count of one, evicting cached ones if needed.
+
+        ``after`` is the caller's last block: the new ones continue its run where
+        ``after + 1``, ``after + 2``... are free. ``region`` is how many blocks the
+        caller expects to need in all from here (at least ``count``): a new run
+        starts where that many are free in a row, when there is such a place.
+        """
         if count < 0:
             raise ValueError(f"cannot allocate {count} blocks")
         if count > self.num_free:
             raise OutOfBlocksError(f"asked for {count} blocks, {self.num_free} free")
-        blocks = []
-        for _ in range(count):
-            if self._free:
-                block = self._free.pop()
+        blocks: list[int] = []
+        following = after + 1 if after is not None and after >= 0 else -1
+        while len(blocks) < count:
+            if 0 <= following < self.num_blocks and self._is_free[following]:
+                block = following
             else:
+                block = self._run_start(region - len(blocks), count - len(blocks))
+                if block >= 0:  # a new run: keep the rest of its region for it
+                    end = min(self.num_blocks, block + max(1, region - len(blocks)))
+                    self._open[block:end] = bytes(end - block)
+            if block < 0:
                 block, _ = self._evictable.popitem(last=False)
                 self._uncache(block)
                 self.num_evictions += 1
+            else:
+                self._is_free[block] = 0
+                self._open[block] = 0
+                self._num_plain_free -= 1
             self._ref_counts[block] = 1
             blocks.append(block)
+            following = block + 1
         return blocks
+
+    def _run_start(self, wanted: int, needed: int) -> int:
+        """The lowest block starting ``wanted`` open blocks in a row, else ``needed``
+        open, else ``needed`` free, else the lowest open or free block; -1 when no
+        block is plainly free."""
+        if self._num_plain_free == 0:
+            return -1
+        for flags, length in ((self._open, wanted), (self._open, needed), (self._is_free, needed)):
+            if 1 < length <= self._num_plain_free:
+                start = flags.find(b"\x01" * length)
+                if start >= 0:
+                    return start
+        start = self._open.find(1)
+        return start if start >= 0 else self._is_free.find(1)
+
+    def _reopen(self, block: int) -> None:
+        """Open a freed block and the closed free blocks right after it."""
+        self._open[block] = 1
+        block += 1
+        while block < self.num_blocks and self._is_free[block] and not self._open[block]:
+            self._open[block] = 1
+            block += 1
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in order.
@@ -104,7 +157,9 @@ class BlockAllocator:
                 if self._hash_of[block] is not None:
                     self._evictable[block] = None
                 else:
-                    self._free.append(block)
+                    self._is_free[block] = 1
+                    self._num_plain_free += 1
+                    self._reopen(block)
 
     # -- prefix cache -------------------------------------------------------------------
 
@@ -148,7 +203,10 @@ class BlockAllocator:
         for block_hash, block in list(self._block_of.items()):
             del self._block_of[block_hash]
             self._hash_of[block] = None
-        self._free.extend(reversed(self._evictable))
+        for block in self._evictable:
+            self._is_free[block] = 1
+            self._reopen(block)
+        self._num_plain_free += len(self._evictable)
         self._evictable.clear()
 
     def _uncache(self, block: int) -> None:
@@ -159,8 +217,11 @@ class BlockAllocator:
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests; O(num_blocks))."""
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        free = {block for block, flag in enumerate(self._is_free) if flag}
+        evictable = set(self._evictable)
+        assert len(free) == self._num_plain_free, "the free count is off"
+        opened = {block for block, flag in enumerate(self._open) if flag}
+        assert opened <= free, "an open block is not free"
         assert not free & evictable, "a block is both free and evictable"
         for block in range(self.num_blocks):
             count = self._ref_counts[block]

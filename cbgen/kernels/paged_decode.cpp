@@ -13,10 +13,12 @@
 // kWidth at a time with per-row accumulators in registers and one transposing
 // add tree for their horizontal sums (a reduction per row cost more than the
 // dot product itself), V is accumulated a register-wide slice at a time, exp is
-// vectorised, and the next block is prefetched (blocks are scattered, so the
-// hardware prefetcher cannot follow). Compute is then about 3x the old scalar
-// loop's speed, and at a few hundred tokens the kernel is bound by reading the
-// cache from memory. Other dtypes, head sizes that are not a multiple of the
+// vectorised, and the next block is prefetched (blocks may be scattered, and the
+// hardware prefetcher only follows a contiguous run), as are each block's values
+// while its keys are scored (two streams in flight, and pass 2 reads from cache).
+// Compute is then about 3x the old scalar loop's speed, and at a few hundred
+// tokens the kernel is bound by reading the cache from memory: the allocator
+// keeps each request's blocks in a row for that reason (cbgen/cache/allocator.py). Other dtypes, head sizes that are not a multiple of the
 // SIMD width, and builds without those instruction sets use plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -342,6 +344,9 @@ void attend(const float* q_f, int64_t group, const scalar_t* k_head, const scala
     const int64_t stop = std::min(len, (block + 1) * block_size);
     const scalar_t* k = k_head + table[block] * k_block_stride + (t - block * block_size) * head_dim;
     if (stop < len) prefetch_rows(k_head + table[block + 1] * k_block_stride, k_block_stride * sizeof(scalar_t));
+    // This block's values, for pass 2: two streams in flight instead of one, and
+    // pass 2 then reads from cache.
+    prefetch_rows(v_head + table[block] * v_block_stride, v_block_stride * sizeof(scalar_t));
     const int64_t i0 = t - first;
     if (simd_k) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
