@@ -436,12 +436,34 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   if (head_dim == 8 * kWidth) run = &attend<scalar_t, 8>;
 #endif
 
-  // One work item is a (sequence, KV head) pair: a few long items per thread.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One work item is a (sequence, KV head) pair. Items cost their context length,
+  // which varies a lot within a batch, so each thread takes a contiguous share of
+  // the items with an equal share of the context (plus a constant per item), not
+  // an equal count: with two threads an even split by count left one idle for a
+  // tenth of the call on mixed lengths.
+  const int64_t num_items = num_seqs * num_kv_heads;
+  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> bounds(num_threads + 1, num_items);
+  bounds[0] = 0;
+  {
+    auto cost = [&](int64_t seq) {
+      const int64_t len = lens[seq];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      return std::max<int64_t>(0, len - first) + 16;
+    };
+    int64_t total = 0;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) total += cost(seq) * num_kv_heads;
+    int64_t done = 0, next = 1;
+    for (int64_t item = 0; item < num_items && next < num_threads; ++item) {
+      done += cost(item / num_kv_heads);
+      while (next < num_threads && done * num_threads >= total * next) bounds[next++] = item + 1;
+    }
+  }
+  at::parallel_for(0, num_threads, 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> q_f(group * head_dim);
     std::vector<float> scores;
     std::vector<float> acc(group * value_dim + group);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = bounds[first_share]; item < bounds[last_share]; ++item) {
       const int64_t seq = item / num_kv_heads;
       const int64_t kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
