@@ -82,13 +82,13 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Return the logits of the sampled rows, ``[samples, vocab]``."""
+        if self.fast_forward is not None:
+            with torch.inference_mode():
+                return self.fast_forward(batch)
         if batch.logits_indices.numel() == 0:
             logits_to_keep: int | torch.Tensor = 1  # nothing to sample; keep the LM head tiny
         else:
             logits_to_keep = batch.logits_indices
-        if self.fast_forward is not None:
-            with torch.inference_mode():
-                return self.fast_forward(batch)
         with torch.inference_mode(), attention_context(batch.attention):
             output = self.model(
                 input_ids=batch.input_ids,
