@@ -143,3 +143,32 @@ def test_build_is_keyed_by_machine():
     assert len(key) == 16 and key == machine_key()
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert "-march=native" in compile_flags()
+
+
+@needs_kernel
+def test_kernel_rejects_tables_outside_the_cache():
+    """The kernel reads through the block tables without bounds checks in its loops,
+    so it checks every block a sequence reads (and each length) before it starts."""
+    cache = torch.zeros(2, 4, 4, 16)  # [kv_heads, blocks, block_size, dim]
+    query = torch.zeros(1, 4, 16)
+    lens = torch.tensor([6])
+    scale = 0.25
+    ok = torch.tensor([[3, 1]])
+    assert kernel.paged_decode_attention(query, cache, cache, ok, lens, scale, 0, 0.0).shape == (
+        1,
+        4,
+        16,
+    )
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.paged_decode_attention(
+            query, cache, cache, torch.tensor([[3, 4]]), lens, scale, 0, 0.0
+        )
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.paged_decode_attention(
+            query, cache, cache, torch.tensor([[-1, 0]]), lens, scale, 0, 0.0
+        )
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.paged_decode_attention(query, cache, cache, ok, torch.tensor([9]), scale, 0, 0.0)
+    # A window that starts past a bad block never reads it.
+    windowed = torch.tensor([[99, 2]])
+    kernel.paged_decode_attention(query, cache, cache, windowed, lens, scale, 2, 0.0)

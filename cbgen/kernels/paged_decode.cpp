@@ -497,8 +497,31 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
               "block tables and context lengths must be int64");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(query.size(1) % key_cache.size(0) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
+                  context_lens.numel() == query.size(0),
+              "one block table row and one context length per query");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
+  {
+    // The kernel reads through the tables unchecked: make sure every block a
+    // sequence reads is inside the cache first (a few hundred integers a call).
+    const int64_t* table_ptr = tables.data_ptr<int64_t>();
+    const int64_t* len_ptr = lens.data_ptr<int64_t>();
+    const int64_t width = tables.size(1), block_size = key_cache.size(2);
+    const int64_t num_blocks = key_cache.size(1);
+    TORCH_CHECK(value_cache.size(1) == num_blocks && value_cache.size(2) == block_size,
+                "key and value caches differ in blocks");
+    for (int64_t seq = 0; seq < tables.size(0); ++seq) {
+      const int64_t len = len_ptr[seq];
+      TORCH_CHECK(len >= 0 && len <= width * block_size, "context length ", len,
+                  " does not fit its block table");
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      for (int64_t b = first / block_size; b * block_size < len; ++b) {
+        const int64_t block = table_ptr[seq * width + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the cache");
+      }
+    }
+  }
   auto out = at::empty({query.size(0), query.size(1), value_cache.size(3)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(query, key_cache, value_cache, tables, lens, out, scale, sliding_window,
