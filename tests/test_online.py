@@ -314,9 +314,10 @@ def test_close_aborts_and_wakes_every_waiter(llama):
     for t in threads:
         t.start()
     started.wait()
-    # Peek until the by-id waiter is registered, or the any-waiter could take its result.
+    # Peek until the by-id waiter and the stream are registered, or the any-waiter
+    # could take one of their results when close() finishes them all.
     registered = threading.Event()
-    while not engine._registry[by_id].waiters:
+    while not engine._registry[by_id].waiters or engine._registry[streamed].sink is None:
         registered.wait(0.001)
     engine.close()
     for t in threads:
