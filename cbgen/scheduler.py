@@ -301,9 +301,10 @@ class Scheduler:
             total = -(-(num_cached + num_tokens) // bs)
             needed = total - len(hits) + total * (len(self.groups) - 1)
             revived = sum(1 for block in hits if self.allocator.ref_count(block) == 0)
+            final = self._final_blocks(request)
             growth = 0  # blocks it may take later, kept free under full-length admission
             if self.full_length_admission:
-                growth = max(0, -(-_final_length(request) // bs) - total) * len(self.groups)
+                growth = max(0, final - total) * len(self.groups)
             free = self.allocator.num_free - needed - revived - reserve
             if free < 0 or (self.running and free < growth):  # alone, it always fits
                 break
@@ -313,7 +314,7 @@ class Scheduler:
             request.block_ids = hits + self.allocator.allocate(
                 total - len(hits),
                 after=hits[-1] if hits else None,
-                region=-(-_final_length(request) // bs) - len(hits),
+                region=final - len(hits),
             )
             if len(self.groups) > 1:
                 self._more_tables[request] = [
@@ -468,6 +469,10 @@ class Scheduler:
         total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
         return sum(max(0, total - len(blocks)) for blocks in self.block_tables(request))
 
+    def _final_blocks(self, request: Request) -> int:
+        """Blocks per cache group that ``request`` holds at its final length."""
+        return -(-_final_length(request) // self.block_size)
+
     def _blocks_to_finish(self, request: Request) -> int:
         """Blocks ``request`` may still take: up to its prompt plus ``max_new_tokens``."""
         remaining = _final_length(request) - request.num_computed_tokens
@@ -475,9 +480,8 @@ class Scheduler:
 
     def _grow(self, request: Request, num_tokens: int) -> None:
         """Give every group of ``request`` the blocks for ``num_tokens`` more tokens."""
-        bs = self.block_size
-        total = -(-(request.num_computed_tokens + num_tokens) // bs)
-        final = -(-_final_length(request) // bs)
+        total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
+        final = self._final_blocks(request)
         for blocks in self.block_tables(request):
             if total > len(blocks):
                 blocks.extend(
