@@ -405,6 +405,11 @@ void attend(const float* q_f, int64_t group, const scalar_t* k_head, const scala
   }
 }
 
+// The first cached position a query at context length `len` sees (0 without a window).
+inline int64_t first_visible(int64_t len, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+}
+
 template <typename scalar_t>
 void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
@@ -448,7 +453,7 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   {
     auto cost = [&](int64_t seq) {
       const int64_t len = lens[seq];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t first = first_visible(len, sliding_window);
       return std::max<int64_t>(0, len - first) + 16;
     };
     int64_t total = 0;
@@ -467,7 +472,7 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       const int64_t seq = item / num_kv_heads;
       const int64_t kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t first = first_visible(len, sliding_window);
       scalar_t* dst = out_ptr + (seq * num_heads + kv_head * group) * value_dim;
       if (len - first <= 0) {  // nothing to attend to: zeros, like an empty weighted sum
         std::fill(dst, dst + group * value_dim, static_cast<scalar_t>(0.f));
@@ -515,7 +520,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
       const int64_t len = len_ptr[seq];
       TORCH_CHECK(len >= 0 && len <= width * block_size, "context length ", len,
                   " does not fit its block table");
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t first = first_visible(len, sliding_window);
       for (int64_t b = first / block_size; b * block_size < len; ++b) {
         const int64_t block = table_ptr[seq * width + b];
         TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the cache");
