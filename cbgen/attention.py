@@ -180,9 +180,10 @@ def attend(
     key_cache, value_cache = cache.keys[layer], cache.values[layer]
 
     kernel = metadata.decode_kernel
-    if metadata.decode_only and kernel is not None:
+
+    def kernel_decode(q_decode: torch.Tensor) -> torch.Tensor:  # [heads, seqs, dim] in
         return kernel.paged_decode_attention(
-            q.transpose(0, 1).contiguous(),
+            q_decode.transpose(0, 1).contiguous(),
             key_cache,
             value_cache,
             tables.decode_block_tables,
@@ -191,22 +192,16 @@ def attend(
             sliding_window or 0,
             softcap or 0.0,
         )
+
+    if metadata.decode_only and kernel is not None:
+        return kernel_decode(q)
     if metadata.decode_only:
         out = _decode_attention(q, key_cache, value_cache, tables, scale, sliding_window, softcap)
         return out.transpose(0, 1)
 
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     if metadata.decode_rows is not None and kernel is not None:
-        decoded = kernel.paged_decode_attention(
-            q.index_select(1, metadata.decode_rows).transpose(0, 1).contiguous(),
-            key_cache,
-            value_cache,
-            tables.decode_block_tables,
-            tables.decode_context_lens,
-            scale,
-            sliding_window or 0,
-            softcap or 0.0,
-        )
+        decoded = kernel_decode(q.index_select(1, metadata.decode_rows))
         out[:, metadata.decode_rows] = decoded.transpose(0, 1)
     elif metadata.decode_rows is not None:
         out[:, metadata.decode_rows] = _decode_attention(
