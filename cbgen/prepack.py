@@ -150,7 +150,6 @@ class PackedLinears:
     ) -> None:
         if fuse is None:
             fuse = os.environ.get(NO_FUSE_ENV) != "1"
-        self._modules: list[nn.Linear] = []
         # What serves each module: its own packed weight and bias, or a fused group.
         self._single: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._fused: dict[nn.Linear, _SharedInput] = {}
@@ -185,7 +184,6 @@ class PackedLinears:
             self.released_bytes += page_out(module.weight, file_maps)
         for module, forward in forwards.items():
             module.forward = forward  # type: ignore[method-assign]
-            self._modules.append(module)
 
     @staticmethod
     def _packable_module(module: object) -> bool:
@@ -197,7 +195,7 @@ class PackedLinears:
         )
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return len(self._single) + len(self._fused)
 
     def packed_weight(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The packed weight and bias serving ``module`` alone (None: fused, or not packed)."""
@@ -216,9 +214,8 @@ class PackedLinears:
         return group.packed, group.bias
 
     def restore(self) -> None:
-        for module in self._modules:
+        for module in [*self._single, *self._fused]:
             module.__dict__.pop("forward", None)
-        self._modules = []
         self._single.clear()
         self._fused.clear()
 
