@@ -107,6 +107,16 @@ def test_kernel_matches_torch_decode(dtype, heads, kv_heads, window, softcap, di
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [32, 128])  # two and eight SIMD chunks a row
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (16, 2), (7, 7)])
+def test_kernel_value_pass_register_blocks(heads, kv_heads, dim):
+    # The value pass keeps up to 16 accumulators in registers: heads per KV head are
+    # taken four (dim 32), or two (dim 128), at a time, with a shorter last chunk.
+    lens = [1, 15, 16, 17, 48, 90]
+    check_kernel(kernel, torch.float32, heads, kv_heads, None, None, lens, dim=dim)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_long_contexts_real_block_size(dtype):
     # SmolLM2's geometry with the engine's 16-token blocks, a few hundred tokens.
