@@ -103,7 +103,7 @@ class EngineCore:
             self.kernels,
             self.cache_groups,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=getattr(self.kernels, "argmax_rows", None))
         # The longest request that fits alone (None: windowed layers only, any length fits).
         cache_limit = max_request_tokens(
             self.cache_groups, num_blocks, config.block_size, config.max_batch_tokens

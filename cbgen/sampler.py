@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,8 +29,15 @@ class Sampler:
     and so lets each seeded request use its own generator.
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """``argmax``: a faster ``torch.argmax(logits, dim=-1)`` for float32 CPU logits
+        (the native ``argmax_rows``: 0.2 against 2.7 ms for 64 rows of 49k logits)."""
         self.generator = generator
+        self._argmax = argmax
 
     @torch.inference_mode()
     def __call__(
@@ -45,7 +53,10 @@ class Sampler:
         errors: dict[int, str] = {}
         if any(p.logits_processors for p in params):
             errors = _apply_processors(logits, params, histories)
-        tokens = torch.argmax(logits, dim=-1)
+        if self._argmax is not None and logits.dtype == torch.float32 and logits.is_cpu:
+            tokens = self._argmax(logits)
+        else:
+            tokens = torch.argmax(logits, dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)

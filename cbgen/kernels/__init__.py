@@ -3,7 +3,8 @@
 The paged decode attention kernel reads K/V straight from the block tables, once
 per layer, instead of gathering a padded copy first; the layer ops (RMSNorm with
 the residual add, rotary embedding of a fused q/k/v projection) serve the
-decoder fast path (``cbgen.fast_forward``). They are built with
+decoder fast path (``cbgen.fast_forward``); ``argmax_rows`` serves the greedy
+sampler (``cbgen.sampler``). They are built with
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) into
 ``$CBGEN_CACHE_DIR/kernels/<machine key>``; a failed build is reported once and
 the engine keeps running on the torch path. ``CBGEN_NO_KERNELS=1`` turns it off.
@@ -29,7 +30,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 # Compiled into one extension module; bindings.cpp declares what Python sees.
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "argmax.cpp", "bindings.cpp")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None

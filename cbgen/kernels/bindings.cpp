@@ -11,6 +11,7 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                     int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& key_cache,
                     const c10::optional<at::Tensor>& value_cache,
                     const c10::optional<at::Tensor>& slots);
+at::Tensor argmax_rows(const at::Tensor& logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -19,4 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
         py::arg("key_cache") = py::none(), py::arg("value_cache") = py::none(),
         py::arg("slots") = py::none());
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 [rows, vocab] (CPU)");
 }
