@@ -14,14 +14,17 @@
 // add tree for their horizontal sums (a reduction per row cost more than the
 // dot product itself), V rows are loaded once for all the query heads of a KV
 // head into accumulators that stay in registers (value_pass: 41 -> 37 ms for a
-// 64-sequence, 30-layer step at 150-300 tokens of context), exp is
-// vectorised, and the next block is prefetched (blocks may be scattered, and the
-// hardware prefetcher only follows a contiguous run), as are each block's values
-// while its keys are scored (two streams in flight, and pass 2 reads from cache).
-// Compute is then about 3x the old scalar loop's speed, and at a few hundred
-// tokens the kernel is bound by reading the cache from memory: the allocator
-// keeps each request's blocks in a row for that reason (cbgen/cache/allocator.py). Other dtypes, head sizes that are not a multiple of the
-// SIMD width, and builds without those instruction sets use plain loops.
+// 64-sequence, 30-layer step at 150-300 tokens of context), and exp is
+// vectorised. Compute is then about 3x the old scalar loop's speed, and at a few
+// hundred tokens the kernel is bound by reading the cache from memory: the
+// allocator keeps each request's blocks in a row for that reason
+// (cbgen/cache/allocator.py), and the hardware prefetcher follows those runs.
+// Software prefetching (the next block's keys, each block's values during the key
+// pass) measured slower: 44 against 37 ms for that step with each request's
+// blocks in a row, the same with every block scattered (bench: a 30-layer step
+// whose K/V, 0.9 GB, cannot stay in cache). Other dtypes, head sizes that are not
+// a multiple of the SIMD width, and builds without those instruction sets use
+// plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -128,13 +131,6 @@ inline vfloat vexp(vfloat x) {
 #endif
 }
 #endif
-
-// Ask for a block's rows ahead of use: blocks are scattered over the cache, so the
-// hardware prefetcher, which stops at page boundaries, cannot guess the next one.
-inline void prefetch_rows(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
-}
 
 // ---- row access: the cache's dtype, read as float32 -----------------------------
 
@@ -337,7 +333,6 @@ void value_pass(const float* scores, int64_t span, const T* v_head, const int64_
     const int64_t block = t / block_size;
     const int64_t stop = std::min(len, (block + 1) * block_size);
     const T* v = v_head + table[block] * v_block_stride + (t - block * block_size) * value_dim;
-    if (stop < len) prefetch_rows(v_head + table[block + 1] * v_block_stride, v_block_stride * sizeof(T));
     const float* p = scores + (t - first);
     for (int64_t r = 0; r < stop - t; ++r) {
       vfloat row[DC];
@@ -379,10 +374,6 @@ void attend(const float* q_f, int64_t group, const scalar_t* k_head, const scala
     const int64_t block = t / block_size;
     const int64_t stop = std::min(len, (block + 1) * block_size);
     const scalar_t* k = k_head + table[block] * k_block_stride + (t - block * block_size) * head_dim;
-    if (stop < len) prefetch_rows(k_head + table[block + 1] * k_block_stride, k_block_stride * sizeof(scalar_t));
-    // This block's values, for pass 2: two streams in flight instead of one, and
-    // pass 2 then reads from cache.
-    prefetch_rows(v_head + table[block] * v_block_stride, v_block_stride * sizeof(scalar_t));
     const int64_t i0 = t - first;
     if (simd_k) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -437,7 +428,6 @@ void attend(const float* q_f, int64_t group, const scalar_t* k_head, const scala
     const int64_t block = t / block_size;
     const int64_t stop = std::min(len, (block + 1) * block_size);
     const scalar_t* v = v_head + table[block] * v_block_stride + (t - block * block_size) * value_dim;
-    if (stop < len) prefetch_rows(v_head + table[block + 1] * v_block_stride, v_block_stride * sizeof(scalar_t));
     const int64_t i0 = t - first;
     for (int64_t g = 0; g < group; ++g) {
       const float* p = scores.data() + g * span + i0;
