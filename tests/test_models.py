@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from cbgen import load_model
 
@@ -54,3 +55,10 @@ def test_conversions_of_an_older_format_are_redone(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="pip install"):
         load_model("smollm2")
     assert not folder.exists()
+
+
+def test_load_without_tokenizer_returns_none_for_it(smollm2):
+    model, tokenizer = load_model("smollm2", tokenizer=False)
+    assert tokenizer is None
+    assert type(model) is type(smollm2[0])
+    assert torch.equal(model.lm_head.weight, smollm2[0].lm_head.weight)

@@ -68,7 +68,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     started = time.perf_counter()
-    model, _ = load_model(spec.get("model", "smollm2"), dtype=dtype)
+    # The prompts come as token ids: no tokenizer in the measured process.
+    model, _ = load_model(spec.get("model", "smollm2"), dtype=dtype, tokenizer=False)
     result["load_s"] = time.perf_counter() - started
     result["rss_after_load_kib"] = proc_status_kib("VmRSS")
 
