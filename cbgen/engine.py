@@ -193,6 +193,12 @@ class EngineCore:
         self.scheduler.finish(request, FinishReason.ABORTED)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, so later requests compute their prompts afresh
+        (as after a restart, without rebuilding the engine: the benchmark resets between
+        repeats, as it does vLLM's). Blocks running requests hold stay theirs."""
+        self.allocator.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
 

@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import random_prompts
 
+from cbgen import EngineConfig, EngineCore
 from cbgen.bench import metrics
 from cbgen.bench.harness import parse_cpus, parse_engine_options, run_process
 from cbgen.bench.peers import Peer
+from cbgen.bench.systems import run_cbgen
 from cbgen.bench.workloads import build_workload, load_tokenizer, workload_names
 from cbgen.cli import main
 
@@ -123,6 +126,21 @@ def test_options_parsing():
         "enable_prefix_caching": False,
         "scheduler_policy": "fifo",
     }
+
+
+def test_cbgen_runs_on_a_reused_engine_start_with_an_empty_prefix_cache(llama):
+    prompts = random_prompts(3, 20, 40, seed=5)
+    config = EngineConfig(block_size=8)
+    fresh = run_cbgen(llama, prompts, 5, config)
+    assert fresh.setup_s is not None and 0 < fresh.setup_s < fresh.wall_s
+    with EngineCore(llama, config) as engine:
+        runs = [run_cbgen(llama, prompts, 5, config, engine) for _ in range(2)]
+        # Without the reset the second run would take its prompts from the cache.
+        assert engine.stats["cached_tokens"] == 0
+    for run in runs:
+        assert run.setup_s is None
+        assert run.output_ids == fresh.output_ids
+        assert all(len(times) == 5 for times in run.token_times)
 
 
 def test_run_process_reports_each_childs_own_peak_rss(tmp_path):

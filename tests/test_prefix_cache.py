@@ -94,6 +94,29 @@ def test_num_cached_tokens_counts_full_blocks_up_to_the_last_prompt_token(llama)
     assert again.token_ids == reference_greedy(llama, follow, 6)
 
 
+def test_reset_prefix_cache_forgets_every_cached_prefix(llama):
+    prompt = random_prompts(1, 30, 30, seed=41)[0]
+    config = EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64)
+    with EngineCore(llama, config) as engine:
+
+        def run() -> int:
+            rid = engine.add_request(prompt, SamplingParams(max_new_tokens=4))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished and out.request_id == rid:
+                        cached = out.num_cached_tokens
+            return cached
+
+        assert run() == 0
+        assert run() == 24
+        engine.reset_prefix_cache()
+        assert engine.allocator.num_cached == 0 and engine.allocator.num_evictable == 0
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+        engine.allocator.check_invariants()
+        assert run() == 0  # computed afresh, and cached again for the next one
+        assert run() == 24
+
+
 @pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
 def test_exact_after_eviction_and_preemption(llama, policy):
     # Three prefix families in a cache of 20 blocks x 4 tokens: cached blocks of one

@@ -53,8 +53,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
     from ..config import EngineConfig
     from ..models import load_model
-    from .systems import SystemOptions, run_system
-    from .workloads import spread
+    from .systems import SystemOptions
 
     _quiet_transformers()
     threads = int(spec.get("threads") or torch.get_num_threads())
@@ -94,6 +93,30 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         tuned_page_size=raw_options.get("tuned_page_size"),
         tuned_attn=raw_options.get("tuned_attn"),
     )
+    if system == "cbgen":  # one engine for every run, as the vLLM peer keeps one LLM
+        from ..engine import EngineCore
+
+        try:
+            options.engine = EngineCore(model, options.engine_config)
+        except Exception:  # each run then builds its own and reports the same error
+            options.engine = None
+        result["load_s"] = time.perf_counter() - started
+        result["rss_after_load_kib"] = proc_status_kib("VmRSS")
+    try:
+        _run_workloads(spec, system, model, options, result)
+    finally:
+        if options.engine is not None:
+            options.engine.close()
+    result["peak_rss_kib"] = proc_status_kib("VmHWM")
+    return result
+
+
+def _run_workloads(
+    spec: dict[str, Any], system: str, model: Any, options: Any, result: dict[str, Any]
+) -> None:
+    from .systems import run_system
+    from .workloads import spread
+
     repeats = int(spec.get("repeats", 3))
     result["workloads"] = {}
     for workload in spec["workloads"]:
@@ -119,8 +142,6 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()
             print(entry["traceback"], file=sys.stderr, flush=True)
-    result["peak_rss_kib"] = proc_status_kib("VmHWM")
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
