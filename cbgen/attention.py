@@ -5,10 +5,14 @@ sequence (batch dimension 1). Each attention layer calls ``paged_attention``,
 which stores the step's new K/V in the paged cache and then attends, for every
 request, over that request's own cached tokens:
 
-* decode rows (one new token per request) go through one batched grouped
-  matmul over K/V gathered from the block tables, masked past each context;
-* prefill chunks go through torch SDPA one request at a time, causal within
-  the chunk and over everything cached before it.
+* with the native kernel (``cbgen.kernels``) and one cache group, every row of
+  the step, decode or prefill, is a query over its own request's blocks up to its
+  own position, and one kernel call per layer attends them all (the chunk's own
+  K/V are stored first);
+* otherwise decode rows (one new token per request) go through one batched
+  grouped matmul over K/V gathered from the block tables, masked past each
+  context, and prefill chunks through torch SDPA one request at a time, causal
+  within the chunk and over everything cached before it.
 
 Layers attend through their cache group's block tables (``GroupTables``): a
 sliding-window group's tables start at the first block its window still reads
@@ -86,6 +90,13 @@ class AttentionMetadata:
     decode_only: bool = False  # every row is a decode row, in order: no gather/scatter of q
     decode_kernel: Any = None  # the native paged decode kernel module, when built
     prefill_blocks: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
+    # With the kernel and one cache group, a step with prefill rows also gets a table
+    # and a context length per row ([tokens, width], [tokens]): each prefill row is a
+    # query of its own over its request's cache, up to its position, and the kernel
+    # attends every row of the step in one call. A 450-token chunk took 2.2 ms a layer
+    # that way against 3.6 ms in SDPA, which also wanted the cached keys gathered.
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
     groups: list[GroupTables] = field(default_factory=list)
     layer_group: list[int] = field(default_factory=list)  # layer -> index into groups
 
@@ -181,13 +192,17 @@ def attend(
 
     kernel = metadata.decode_kernel
 
-    def kernel_decode(q_decode: torch.Tensor) -> torch.Tensor:  # [heads, seqs, dim] in
+    def kernel_decode(
+        q_rows: torch.Tensor,  # [heads, rows, dim]
+        block_tables: torch.Tensor | None = tables.decode_block_tables,
+        context_lens: torch.Tensor | None = tables.decode_context_lens,
+    ) -> torch.Tensor:
         return kernel.paged_decode_attention(
-            q_decode.transpose(0, 1).contiguous(),
+            q_rows.transpose(0, 1).contiguous(),
             key_cache,
             value_cache,
-            tables.decode_block_tables,
-            tables.decode_context_lens,
+            block_tables,
+            context_lens,
             scale,
             sliding_window or 0,
             softcap or 0.0,
@@ -195,6 +210,8 @@ def attend(
 
     if metadata.decode_only and kernel is not None:
         return kernel_decode(q)
+    if metadata.row_block_tables is not None and kernel is not None:
+        return kernel_decode(q, metadata.row_block_tables, metadata.row_context_lens)
     if metadata.decode_only:
         out = _decode_attention(q, key_cache, value_cache, tables, scale, sliding_window, softcap)
         return out.transpose(0, 1)

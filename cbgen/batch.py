@@ -32,7 +32,7 @@ class StepBatch:
 class _GroupLists:
     """Host-side tables of one cache group while a step is packed."""
 
-    __slots__ = ("group", "slots", "decode_tables", "decode_lens", "prefill_blocks")
+    __slots__ = ("group", "slots", "decode_tables", "decode_lens", "prefill_blocks", "row_chunks")
 
     def __init__(self, group: CacheGroup) -> None:
         self.group = group
@@ -40,6 +40,9 @@ class _GroupLists:
         self.decode_tables: list[list[int]] = []
         self.decode_lens: list[int] = []
         self.prefill_blocks: list[tuple[list[int] | None, int]] = []
+        # Every chunk's table from its first needed block, the context that table
+        # holds before the chunk, and its rows (``row_block_tables``).
+        self.row_chunks: list[tuple[list[int], int, int]] = []
 
 
 class BatchBuilder:
@@ -98,6 +101,7 @@ class BatchBuilder:
                     blocks[p // bs] * bs + p % bs for p in range(start, context_len)
                 )
                 first = group.first_needed_block(start, bs)
+                group_lists.row_chunks.append((blocks[first:num_blocks], start - first * bs, count))
                 if decode:
                     group_lists.decode_tables.append(blocks[first:num_blocks])
                     group_lists.decode_lens.append(context_len - first * bs)
@@ -127,6 +131,8 @@ class BatchBuilder:
             metadata.decode_context_lens = only.decode_context_lens
             metadata.decode_padding_mask = only.decode_padding_mask
             metadata.prefill_blocks = only.prefill_blocks
+            if prefill_spans and self.decode_kernel is not None:
+                self._add_row_tables(metadata, lists[0].row_chunks)
         else:
             metadata.groups = group_tables
             metadata.layer_group = self.layer_group
@@ -175,6 +181,22 @@ class BatchBuilder:
         padding = torch.zeros(len(blocks), width * self.block_size, device=device)
         padding.masked_fill_(key_positions.unsqueeze(0) >= context_lens.unsqueeze(1), float("-inf"))
         tables.decode_padding_mask = padding.view(1, len(blocks), 1, -1)
+
+    def _add_row_tables(
+        self, metadata: AttentionMetadata, chunks: list[tuple[list[int], int, int]]
+    ) -> None:
+        """A block table and context length for every row, prefill rows included (the
+        kernel then attends the whole step in one call: see ``AttentionMetadata``)."""
+        width = max(len(blocks) for blocks, _, _ in chunks)
+        padded = [blocks + [0] * (width - len(blocks)) for blocks, _, _ in chunks]
+        lens: list[int] = []
+        for _, before, count in chunks:
+            lens.extend(range(before + 1, before + count + 1))
+        device = self.device
+        counts = torch.tensor([count for _, _, count in chunks], dtype=torch.long, device=device)
+        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        metadata.row_block_tables = tables.repeat_interleave(counts, dim=0)
+        metadata.row_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
 
     def _prefill_span(self, row: int, count: int, context_len: int) -> PrefillSpan:
         if context_len == count:

@@ -13,7 +13,9 @@ from types import ModuleType
 
 import pytest
 import torch
+from conftest import make_tiny_model, random_prompts, reference_greedy
 
+from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.attention import AttentionMetadata, _decode_attention
 from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
 from cbgen.kernels import compile_flags, decode_kernel, machine_key
@@ -182,3 +184,44 @@ def test_kernel_rejects_tables_outside_the_cache():
     # A window that starts past a bad block never reads it.
     windowed = torch.tensor([[99, 2]])
     kernel.paged_decode_attention(query, cache, cache, windowed, lens, scale, 2, 0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # the fast path, and transformers' forward
+def test_prefill_rows_attend_through_the_kernel_exactly(monkeypatch, arch):
+    # Chunked prefill into a 24-token budget: fresh chunks, continued chunks reading
+    # cached blocks, and mixed steps with decode rows; a shared prefix adds cached blocks.
+    model = make_tiny_model(arch)
+    prefix = random_prompts(1, 9, 9, seed=12)[0]
+    prompts = [prefix + p for p in random_prompts(5, 3, 40, seed=11)]
+    expected = [reference_greedy(model, p, 6) for p in prompts]
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("a prefill span went to SDPA")
+
+    config = EngineConfig(block_size=4, max_batch_tokens=24)
+    steps_with_row_tables = 0
+    with EngineCore(model, config) as engine:
+        # (after the engine's probe forward, which attends through SDPA)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
+        build = engine.batch_builder.build
+
+        def counting_build(scheduled):
+            nonlocal steps_with_row_tables
+            batch = build(scheduled)
+            tables = batch.attention.row_block_tables
+            if tables is not None:
+                steps_with_row_tables += 1
+                assert tables.shape[0] == batch.input_ids.shape[1]
+                assert torch.equal(batch.attention.row_context_lens, batch.position_ids[0] + 1)
+            return batch
+
+        engine.batch_builder.build = counting_build
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=6), str(i))
+        outputs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert steps_with_row_tables > 2
+    assert [outputs[str(i)] for i in range(len(prompts))] == expected
