@@ -95,7 +95,9 @@ def load_model(
     return _from_folder(folder, dtype, device, tokenizer)
 
 
-def _from_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool):
+def _from_folder(
+    folder: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool = True
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
@@ -103,7 +105,9 @@ def _from_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, t
     return model.to(device).eval(), tok
 
 
-def _from_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool):
+def _from_gguf(
+    path: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool = True
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
