@@ -105,9 +105,7 @@ def _from_folder(
     return model.to(device).eval(), tok
 
 
-def _from_gguf(
-    path: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool = True
-):
+def _from_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, tokenizer: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
