@@ -81,6 +81,8 @@ class BatchBuilder:
         carry: list[tuple[int, int]] = []
         prefill_spans: list[tuple[int, int, int]] = []
         lists = [_GroupLists(group) for group in self.groups]
+        # Per-row tables serve the kernel with one cache group (``_add_row_tables``).
+        row_tables = self.decode_kernel is not None and len(self.groups) == 1
 
         for chunk in scheduled.chunks:
             request = chunk.request
@@ -101,12 +103,14 @@ class BatchBuilder:
                     blocks[p // bs] * bs + p % bs for p in range(start, context_len)
                 )
                 first = group.first_needed_block(start, bs)
-                group_lists.row_chunks.append((blocks[first:num_blocks], start - first * bs, count))
+                table = blocks[first:num_blocks]
+                if row_tables:
+                    group_lists.row_chunks.append((table, start - first * bs, count))
                 if decode:
-                    group_lists.decode_tables.append(blocks[first:num_blocks])
+                    group_lists.decode_tables.append(table)
                     group_lists.decode_lens.append(context_len - first * bs)
                 elif start > 0:
-                    group_lists.prefill_blocks.append((blocks[first:num_blocks], first * bs))
+                    group_lists.prefill_blocks.append((table, first * bs))
                 else:
                     group_lists.prefill_blocks.append((None, 0))
             if decode:
@@ -131,7 +135,7 @@ class BatchBuilder:
             metadata.decode_context_lens = only.decode_context_lens
             metadata.decode_padding_mask = only.decode_padding_mask
             metadata.prefill_blocks = only.prefill_blocks
-            if prefill_spans and self.decode_kernel is not None:
+            if prefill_spans and row_tables:
                 self._add_row_tables(metadata, lists[0].row_chunks)
         else:
             metadata.groups = group_tables

@@ -52,9 +52,7 @@ class Run:
     output_ids: list[list[int]]
     prompt_tokens: list[int]
     config: dict[str, Any] = field(default_factory=dict)
-    setup_s: float | None = (
-        None  # building the engine, inside wall_s (cbgen without a reused engine)
-    )
+    setup_s: float | None = None  # building the engine, inside wall_s (no reused engine)
 
     def raw(self) -> dict[str, Any]:
         """The raw record of ``cbgen.bench.metrics`` (token ids are kept separately)."""
