@@ -26,6 +26,7 @@ module, and every layer of the expected shape. Otherwise (and with
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from torch import nn
 
 from .attention import ProbeRecord, attend, layer_tables
 from .batch import StepBatch
+from .embedding_rows import file_rows
 from .prepack import PackedLinears, packed_linear
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,8 @@ class FastForward:
         head_dim: int,
     ) -> None:
         base = model.model  # type: ignore[union-attr]
-        self._embedding = base.embed_tokens.weight
+        weight = base.embed_tokens.weight
+        self._embed = file_rows(weight) or functools.partial(F.embedding, weight=weight)
         self._rotary = base.rotary_emb
         self._norm = base.norm.weight.detach()
         self._norm_eps = float(base.norm.variance_epsilon)
@@ -95,7 +98,7 @@ class FastForward:
         cache = metadata.cache
         ids = batch.input_ids[0]
         tokens = ids.shape[0]
-        hidden = F.embedding(ids, self._embedding)
+        hidden = self._embed(ids)
         cos, sin = self._rotary(hidden.unsqueeze(0), batch.position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         q_width = self._heads * self._head_dim

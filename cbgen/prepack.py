@@ -279,14 +279,14 @@ def page_out(tensor: torch.Tensor, file_maps: list[tuple[int, int]]) -> int:
         return 0
     start = -(-start // page) * page
     end = end // page * page
-    if end <= start or not _unmodified_file_pages(start, end, page):
+    if end <= start or not unmodified_file_pages(start, end, page):
         return 0
     if madvise(start, end - start, _MADV_DONTNEED) != 0:
         return 0
     return end - start
 
 
-def _unmodified_file_pages(start: int, end: int, page: int) -> bool:
+def unmodified_file_pages(start: int, end: int, page: int) -> bool:
     """Whether every resident page in [start, end) is still the file's own page.
 
     ``/proc/self/pagemap`` has one 64-bit entry per page: bit 63 says present, bit 61
