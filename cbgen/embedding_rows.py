@@ -78,9 +78,11 @@ def _file_location(tensor: torch.Tensor) -> tuple[str, int] | None:
                 low, high = (int(x, 16) for x in fields[0].split("-"))
                 if low <= start and end <= high:
                     path = fields[5].rstrip("\n")
-                    if path.endswith(" (deleted)") or not os.path.isfile(path):
-                        return None
-                    return path, int(fields[2], 16) + start - low
+                    try:  # the file at that path now must be the one mapped
+                        same = os.stat(path).st_ino == int(fields[4])
+                    except OSError:
+                        same = False
+                    return (path, int(fields[2], 16) + start - low) if same else None
     except OSError:
         return None
     return None

@@ -23,6 +23,7 @@ ROWS, WIDTH, HEADER = 4096, 576, 4104  # a header before the table, as in safete
 
 def _mapped_table(tmp_path) -> tuple[torch.Tensor, torch.Tensor]:
     table = torch.randn(ROWS, WIDTH)
+    tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "model.bin"
     path.write_bytes(b"\x07" * HEADER + table.numpy().tobytes())
     with open(path, "rb") as file:
@@ -64,6 +65,12 @@ def test_anonymous_or_written_tables_are_not_read_from_the_file(tmp_path):
     assert file_rows(mapped[:, :64]) is None  # not contiguous
     mapped[10, 3] = 1.5  # a private copy of that page now differs from the file
     assert file_rows(mapped) is None
+    _, remapped = _mapped_table(tmp_path / "second")
+    assert file_rows(remapped) is not None
+    replacement = tmp_path / "second" / "new.bin"
+    replacement.write_bytes(b"\0" * 64)
+    replacement.replace(tmp_path / "second" / "model.bin")  # the path names another file now
+    assert file_rows(remapped) is None
 
 
 def test_the_bundled_model_embeds_from_its_file_with_the_same_outputs(smollm2):
