@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .prepack import unmodified_file_pages
+from .prepack import file_mappings, unmodified_file_pages
 
 
 class FileRows:
@@ -69,20 +69,11 @@ def _file_location(tensor: torch.Tensor) -> tuple[str, int] | None:
     """The file and byte offset that the mapping holding ``tensor`` reads it from."""
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) < 6 or not fields[5].startswith("/"):
-                    continue
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                if low <= start and end <= high:
-                    path = fields[5].rstrip("\n")
-                    try:  # the file at that path now must be the one mapped
-                        same = os.stat(path).st_ino == int(fields[4])
-                    except OSError:
-                        same = False
-                    return (path, int(fields[2], 16) + start - low) if same else None
-    except OSError:
-        return None
+    for mapping in file_mappings():
+        if mapping.start <= start and end <= mapping.end:
+            try:  # the file at that path now must be the one mapped
+                same = os.stat(mapping.path).st_ino == mapping.inode
+            except OSError:
+                same = False
+            return (mapping.path, mapping.offset + start - mapping.start) if same else None
     return None

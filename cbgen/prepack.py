@@ -28,6 +28,7 @@ import mmap
 import os
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -236,19 +237,42 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return function
 
 
-def file_backed_ranges() -> list[tuple[int, int]]:
-    """Address ranges of this process's memory-mapped files (Linux; empty elsewhere)."""
-    ranges = []
+class FileMapping(NamedTuple):
+    """One memory-mapped file of this process: ``[start, end)`` maps ``path`` from ``offset``."""
+
+    start: int
+    end: int
+    offset: int
+    inode: int
+    path: str
+
+
+def file_mappings() -> list[FileMapping]:
+    """This process's memory-mapped files, from ``/proc/self/maps`` (Linux; empty elsewhere)."""
+    mappings = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                fields = line.split()
-                if len(fields) >= 6 and fields[5].startswith("/"):
+                fields = line.rstrip("\n").split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
                     start, end = fields[0].split("-")
-                    ranges.append((int(start, 16), int(end, 16)))
+                    mappings.append(
+                        FileMapping(
+                            int(start, 16),
+                            int(end, 16),
+                            int(fields[2], 16),
+                            int(fields[4]),
+                            fields[5],
+                        )
+                    )
     except OSError:
         return []
-    return ranges
+    return mappings
+
+
+def file_backed_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's memory-mapped files (Linux; empty elsewhere)."""
+    return [(mapping.start, mapping.end) for mapping in file_mappings()]
 
 
 def page_out(tensor: torch.Tensor, file_maps: list[tuple[int, int]]) -> int:
