@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from .config import EngineConfig
 from .engine import EngineCore
 from .request import Completion, FinishReason, RequestOutput
-from .sampling import SamplingParams
+from .sampling import SamplingParams, sample_seed
 
 
 def generate_batch(
@@ -93,7 +93,7 @@ def _sample_params(request_id: str, params: Any) -> list[Any]:
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from None
     return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        dataclasses.replace(params, n=1, seed=sample_seed(params.seed, i))
         for i in range(params.n)
     ]
 

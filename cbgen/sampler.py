@@ -60,13 +60,38 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
-            drawn = self._sample(
+            drawn = self._sample_isolated(
                 logits.index_select(0, rows),
                 [params[i] for i in sampled_rows],
                 [generators[i] for i in sampled_rows],
+                sampled_rows,
+                errors,
             )
             tokens.index_copy_(0, rows, drawn)
+        _check_finite(logits, tokens, sampled_rows, errors)
         return SamplerOutput(tokens.tolist(), errors, tokens)
+
+    def _sample_isolated(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        rows: list[int],
+        errors: dict[int, str],
+    ) -> torch.Tensor:
+        """``_sample`` for the whole batch; if it raises, again row by row, so that only
+        the rows that fail on their own finish with an error (their token is 0)."""
+        try:
+            return self._sample(logits, params, generators)
+        except Exception:
+            pass
+        drawn = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        for i, row in enumerate(rows):
+            try:
+                drawn[i] = self._sample(logits[i : i + 1], [params[i]], [generators[i]])[0]
+            except Exception as exc:
+                errors.setdefault(row, f"sampling failed: {type(exc).__name__}: {exc}")
+        return drawn
 
     def _sample(
         self,
@@ -128,3 +153,24 @@ def _apply_processors(
             errors[row] = f"logits processor {processor!r} failed: {type(exc).__name__}: {exc}"
             logits[row] = 0.0
     return errors
+
+
+def _check_finite(
+    logits: torch.Tensor, tokens: torch.Tensor, sampled_rows: list[int], errors: dict[int, str]
+) -> None:
+    """Report rows whose logits hold no usable number (a NaN, or no finite maximum).
+
+    For greedy rows the chosen token's logit tells: argmax picks the first NaN when there
+    is one (torch's rule and the native kernel's), and a row of infinities gives an
+    infinite choice. A sampled row's NaN makes its whole softmax NaN and its draw
+    arbitrary, so its maximum is checked instead (which propagates NaN).
+    """
+    values = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+        values = values.index_copy(0, rows, logits.index_select(0, rows).amax(dim=-1))
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    for row in bad.nonzero().flatten().tolist():
+        errors.setdefault(row, f"the model produced non-finite logits ({values[row].item()})")

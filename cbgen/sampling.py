@@ -9,6 +9,14 @@ from typing import Any
 
 import torch
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy: dividing logits by a smaller value overflows them
+to infinities (1e-40 made every row NaN and every token id 0), and the distribution is
+already a point mass long before (vLLM draws the same line)."""
+
+SEED_RANGE = 1 << 64
+"""Seeds are unsigned 64-bit values, what ``torch.Generator.manual_seed`` takes."""
+
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 """``processor(token_ids, logits) -> logits``: ``token_ids`` are the request's prompt and
 generated tokens so far, ``logits`` its float32 row ``[vocab]`` for the next token."""
@@ -19,7 +27,8 @@ class SamplingParams:
     """How one request picks its tokens and when it stops.
 
     ``temperature == 0`` means greedy decoding (the default, and the mode whose
-    output is token-identical to ``model.generate()``). ``top_k == 0`` and
+    output is token-identical to ``model.generate()``); so does any temperature
+    below ``GREEDY_TEMPERATURE`` (1e-5). ``top_k == 0`` and
     ``top_p == 1.0`` disable those filters. ``eos_token_ids`` are stop ids on
     top of the model's own EOS ids; ``ignore_eos`` turns every stop id off so a
     request produces exactly ``max_new_tokens`` (what benchmarks want).
@@ -50,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise ``ValueError`` describing the first invalid setting."""
@@ -67,9 +76,11 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < SEED_RANGE
         ):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {self.seed!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -101,3 +112,9 @@ class SamplingParams:
             top_p=1.0 if gc.top_p is None else float(gc.top_p),
             eos_token_ids=eos_ids,
         )
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a request with ``n`` samples: ``seed + index``,
+    wrapped into the 64-bit seed range so a seed near the top still gives valid seeds."""
+    return None if seed is None else (seed + index) % SEED_RANGE

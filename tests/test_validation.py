@@ -17,6 +17,10 @@ BAD_PARAMS = [
     (SamplingParams(top_p=1.5), "top_p"),
     (SamplingParams(top_k=-1), "top_k"),
     (SamplingParams(eos_token_ids=[-4]), "eos_token_ids"),
+    (SamplingParams(temperature=1.0, top_k=2**63), "top_k"),  # overflowed the batched sampler
+    (SamplingParams(temperature=1.0, top_k=257), "top_k"),  # past the vocabulary (256)
+    (SamplingParams(temperature=1.0, seed=2**64), "seed"),
+    (SamplingParams(temperature=1.0, seed=-1), "seed"),
 ]
 
 
@@ -147,3 +151,43 @@ def test_context_limit_finishes_cleanly(llama):
         assert outs[0].finish_reason == "context_limit"
         assert len(outs[0].prompt_token_ids) + len(outs[0].token_ids) == 16
         assert engine.allocator.num_free == 4
+
+
+def test_tiny_temperature_is_greedy(llama):
+    """1e-40 used to underflow the logits to infinities, and every token became id 0."""
+    prompt = [5, 6, 7, 8]
+    want = reference_greedy(llama, prompt, 8)
+    params = SamplingParams(max_new_tokens=8, temperature=1e-40, seed=3)
+    outputs = cbgen.generate_batch(llama, [prompt], params)
+    assert outputs[0].token_ids == want
+
+
+def test_non_finite_logits_fail_only_their_row(llama):
+    """A row whose logits are NaN (here by a processor) finishes alone with 'error'."""
+    prompts = random_prompts(3, 4, 10, seed=5)
+    expected = [reference_greedy(llama, p, 6) for p in prompts]
+
+    def poison(token_ids, logits):
+        if len(token_ids) > len(prompts[1]) + 1:
+            logits[3] = float("nan")
+        return logits
+
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(max_new_tokens=6) for _ in prompts]
+        params[1] = SamplingParams(
+            max_new_tokens=6, temperature=temperature, top_k=5, logits_processors=[poison]
+        )
+        with EngineCore(llama, EngineConfig(num_blocks=32, block_size=8)) as engine:
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                engine.add_request(p, sp, request_id=str(i))
+            results = run_until_done(engine)
+            assert engine.allocator.num_free == 32
+        assert results["1"].finish_reason == "error" and "non-finite" in results["1"].error
+        assert len(results["1"].token_ids) == 2
+        assert [results[str(i)].token_ids for i in (0, 2)] == [expected[0], expected[2]]
+
+
+def test_sample_seeds_wrap_into_the_seed_range(llama):
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=2**64 - 1, n=3)
+    (out,) = cbgen.generate_batch(llama, [[5, 6, 7]], params)
+    assert len(out.completions) == 3

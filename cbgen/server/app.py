@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..online import Engine, EngineClosedError, OnlineRequestOutput
 from ..request import FinishReason
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, sample_seed
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     CHAT_NEUTRAL,
@@ -277,7 +277,7 @@ class _Server:
                 for i in range(job.n):
                     sample = base
                     if base.seed is not None and i:
-                        sample = dataclasses.replace(base, seed=base.seed + i)
+                        sample = dataclasses.replace(base, seed=sample_seed(base.seed, i))
                     rid = engine.add_request(prompt, sample, f"{job.id}-{p * job.n + i}", stop=stop)
                     job.rids.append(rid)
                     job.streams.append(engine.stream_async(rid))
