@@ -169,7 +169,9 @@ class EngineCore:
         except ValueError as exc:
             raise fail(str(exc)) from None
         if params.top_k > self.vocab_size:
-            raise fail(f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}")
+            raise fail(
+                f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}"
+            )
         if isinstance(prompt_token_ids, torch.Tensor):
             prompt_token_ids = prompt_token_ids.flatten().tolist()
         prompt = list(prompt_token_ids)

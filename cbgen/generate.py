@@ -93,8 +93,7 @@ def _sample_params(request_id: str, params: Any) -> list[Any]:
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from None
     return [
-        dataclasses.replace(params, n=1, seed=sample_seed(params.seed, i))
-        for i in range(params.n)
+        dataclasses.replace(params, n=1, seed=sample_seed(params.seed, i)) for i in range(params.n)
     ]
 
 
