@@ -4,7 +4,7 @@ from .config import EngineConfig
 from .engine import EngineCore
 from .generate import generate_batch
 from .models import load_model
-from .online import Engine
+from .online import Engine, EngineClosedError, EngineOverloadedError
 from .request import Completion, FinishReason, RequestOutput
 from .sampling import SamplingParams
 
@@ -12,7 +12,9 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineConfig",
+    "EngineClosedError",
     "EngineCore",
+    "EngineOverloadedError",
     "FinishReason",
     "RequestOutput",
     "SamplingParams",

@@ -46,6 +46,13 @@ class EngineConfig:
     host) and hands out step ``N - 1``'s outputs. Outputs are identical to the
     synchronous loop; a request that stops at step ``N`` has one wasted token in
     step ``N + 1``.
+
+    ``max_waiting_requests`` and ``max_queued_tokens`` bound the online engine's
+    queue (``cbgen.Engine``, and so the server): requests added but not started yet,
+    and their prompt tokens. Past either, ``add_request`` raises
+    ``EngineOverloadedError`` (the server answers 429). ``None`` is no bound; a single
+    request longer than ``max_queued_tokens`` is still taken when nothing waits.
+    ``generate_batch`` adds every prompt up front and ignores them.
     """
 
     block_size: int = 16
@@ -64,6 +71,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # oneDNN-prepacked linear maps (float32, CPU); None: on there unless CBGEN_NO_PREPACK=1.
     prepack_linear: bool | None = None
+    max_waiting_requests: int | None = None
+    max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -78,6 +87,12 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        for name in ("max_waiting_requests", "max_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"

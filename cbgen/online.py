@@ -13,11 +13,17 @@ Design:
   queue (no busy-wait). ``SimpleQueue.put`` is reentrant, so even a finalizer of an
   abandoned stream can post a cancel.
 * Every step's deltas are published under one lock: each request delivers to at
-  most one stream (a ``SimpleQueue``, or an ``asyncio.Queue`` fed by one
-  ``call_soon_threadsafe`` per event loop per step) and to the threads or tasks
-  waiting on that request; an unclaimed finished request goes to a bounded
-  completion store (oldest dropped first) and wakes one ``get_result()`` waiter.
-  Nothing scans the requests or polls; a finished request costs O(1).
+  most one stream (a bounded ``cbgen.streams.Sink`` that merges what its consumer has
+  not read yet; event loops are woken with one ``call_soon_threadsafe`` per loop per
+  step) and to the threads or tasks waiting on that request; an unclaimed finished
+  request goes to a bounded completion store (oldest dropped first) and wakes one
+  ``get_result()`` waiter. Nothing scans the requests or polls; a finished request
+  costs O(1). A stream whose consumer leaves more than ``max_unread_tokens`` unread,
+  or leaves a delta unread for ``stream_timeout`` seconds, has its request aborted.
+* Bounds: ``EngineConfig.max_waiting_requests`` / ``max_queued_tokens`` cap the
+  requests (and their prompt tokens) added but not yet started; past them
+  ``add_request`` raises ``EngineOverloadedError``. A request's ``timeout`` finishes
+  it with ``"timeout"`` once that many seconds have passed since it was added.
 * Text: with a tokenizer, every request gets an ``IncrementalDetokenizer`` and,
   when asked, a ``StopStringMatcher``; a matched stop string truncates the text,
   finishes the request with ``"stop"`` and aborts it in the core (blocks freed).
@@ -38,7 +44,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +56,14 @@ from .engine import EngineCore
 from .openmp import release_thread_team
 from .request import FinishReason, RequestOutput, RequestStatus
 from .sampling import SamplingParams
+from .streams import (
+    AsyncRequestStream,
+    AsyncStreamGroup,
+    RequestStream,
+    Sink,
+    SinkGroup,
+    resolve_all,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +74,26 @@ class EngineClosedError(RuntimeError):
     """The engine is closed (or its loop died): it takes no new requests and has no result."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting to start (``EngineConfig.max_waiting_requests`` or
+    ``max_queued_tokens``); try again later. ``retry_after`` is a hint in seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 @dataclass
 class OnlineRequestOutput(RequestOutput):
     """A ``RequestOutput`` with text.
 
-    As a stream delta, ``new_token_ids`` / ``new_text`` are what this delta adds,
-    ``token_ids`` / ``text`` everything so far. The last delta of a request (and
-    what ``get_result`` returns) has ``finished=True``. ``text`` and ``new_text``
-    are ``None`` when the engine has no tokenizer. With a stop string, ``text``
-    ends right before it while ``token_ids`` keep every generated token.
+    As a stream delta, ``new_token_ids`` / ``new_text`` are what this delta adds
+    (everything the stream had not read yet, when its consumer fell behind).
+    ``token_ids`` is every token so far; ``text``, the whole text, is set only on
+    the last delta of a request (``finished=True``, also what ``get_result``
+    returns), so that streaming stays linear in the output length. ``text`` and
+    ``new_text`` are ``None`` when the engine has no tokenizer. With a stop string,
+    ``text`` ends right before it while ``token_ids`` keep every generated token.
     """
 
     text: str | None = None
@@ -77,38 +102,45 @@ class OnlineRequestOutput(RequestOutput):
 
 class _Request:
     """One request's state. Loop-only fields are touched by the loop thread alone;
-    shared fields (``token_ids``, ``text``, ``final``, consumers) only under the lock."""
+    shared fields (``token_ids``, ``pieces``, ``queued``, ``final``, consumers) are
+    written only under the lock (by the loop thread, which may read them without it)."""
 
     __slots__ = (
         "request_id",
         "prompt",
         "params",
+        "deadline",
         "detok",
         "stops",
         "token_ids",
-        "text",
+        "pieces",
+        "queued",
         "final",
         "sink",
-        "async_sink",
+        "streamed",
         "waiters",
     )
 
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float | None
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        self.deadline = deadline  # time.monotonic() past which it finishes with "timeout"
         self.detok: IncrementalDetokenizer | None = None  # loop only
         self.stops: StopStringMatcher | None = None  # loop only
-        self.token_ids: list[int] = []
-        self.text: str | None = None
+        self.token_ids: list[int] = []  # published so far
+        self.pieces: list[str] | None = None  # the text published so far, in pieces
+        self.queued = True  # added, no token published yet (counts against the queue bounds)
         self.final: OnlineRequestOutput | None = None
-        self.sink: queue.SimpleQueue | None = None  # a sync stream
-        self.async_sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self.sink: Sink | None = None  # the stream that follows it
+        self.streamed = False  # a stream attached at some point
         self.waiters: list[_Waiter] = []  # get_result(request_id) callers
 
     @property
-    def streamed(self) -> bool:
-        return self.sink is not None or self.async_sink is not None
+    def text(self) -> str | None:
+        return None if self.pieces is None else "".join(self.pieces)
 
 
 class _Waiter:
@@ -156,19 +188,18 @@ class _AsyncWaiter(_Waiter):
         return True
 
 
-def _deliver(items: list[tuple[asyncio.Queue, OnlineRequestOutput]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
-
-
 class Engine:
     """Continuous batching behind a background thread; every public method is thread-safe.
 
     ``tokenizer`` is optional: it is needed for text (``new_text``/``text``), stop
     strings and string prompts. ``max_retained_results`` bounds how many finished,
     never-collected results are kept for ``get_result`` (the oldest are dropped);
-    streamed requests are never retained. Use it as a context manager, or call
-    ``start()`` / ``close()``; ``add_request`` starts the loop if needed.
+    streamed requests are never retained. A stream whose consumer leaves more than
+    ``max_unread_tokens`` tokens unread, or a delta unread for ``stream_timeout``
+    seconds (``None``: no limit), has its request aborted (``num_unread_aborts``
+    counts them) so that a consumer that stopped reading costs neither memory nor
+    compute. Use it as a context manager, or call ``start()`` / ``close()``;
+    ``add_request`` starts the loop if needed.
     """
 
     def __init__(
@@ -179,13 +210,26 @@ class Engine:
         *,
         max_retained_results: int = 4096,
         skip_special_tokens: bool = True,
+        max_unread_tokens: int = 4096,
+        stream_timeout: float | None = 60.0,
     ) -> None:
         if max_retained_results < 0:
             raise ValueError(f"max_retained_results must be >= 0, got {max_retained_results}")
+        if max_unread_tokens < 1:
+            raise ValueError(f"max_unread_tokens must be >= 1, got {max_unread_tokens}")
+        if stream_timeout is not None and not stream_timeout > 0:
+            raise ValueError(f"stream_timeout must be positive or None, got {stream_timeout}")
         self.core = EngineCore(model, config)
+        self.config = self.core.config
         self.tokenizer = tokenizer
         self.max_retained_results = max_retained_results
+        self.max_unread_tokens = max_unread_tokens
+        self.stream_timeout = stream_timeout
         self.num_dropped_results = 0
+        self.num_unread_aborts = 0  # streams aborted because their consumer stopped reading
+        self.num_rejected = 0  # add_request calls refused by the queue bounds
+        self._queued_requests = 0  # added, no token yet (under the lock)
+        self._queued_tokens = 0
         self._decode = (
             make_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
         )
@@ -252,13 +296,21 @@ class Engine:
         request_id: str | None = None,
         *,
         stop: Sequence[str] | str | None = None,
+        timeout: float | None = None,
     ) -> str:
         """Queue a request and return its id; an invalid one raises ``ValueError`` here.
 
         ``prompt`` is token ids (or a string, encoded with the tokenizer). ``stop``
         lists stop strings, matched on the decoded text (needs a tokenizer).
+        ``timeout``: seconds from now after which the request finishes with
+        ``"timeout"`` (and what it generated so far). Raises ``EngineOverloadedError``
+        when the queue bounds of ``EngineConfig`` are reached.
         """
         params = params if params is not None else SamplingParams()
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        ):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         auto_id = request_id is None
         rid = f"req-{next(self._ids)}" if auto_id else request_id
         if not isinstance(rid, str):
@@ -269,22 +321,59 @@ class Engine:
             prompt = self.tokenizer.encode(prompt)
         stops = self._stop_matcher(rid, stop)
         prompt_ids = self._validate(rid, prompt, params)
-        request = _Request(rid, prompt_ids, params)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = _Request(rid, prompt_ids, params, deadline)
         if self._decode is not None:
             request.detok = IncrementalDetokenizer(None, prompt_ids, decode=self._decode)
-            request.text = ""
+            request.pieces = []
         request.stops = stops
         with self._lock:
             if self._closed:
                 raise EngineClosedError(self._closed_reason())
+            self._check_bounds_locked(len(prompt_ids))
             while rid in self._registry:
                 if not auto_id:
                     raise ValueError(f"request {rid!r}: this id is already in use")
                 rid = request.request_id = f"req-{next(self._ids)}"
             self._registry[rid] = request
+            self._queued_requests += 1
+            self._queued_tokens += len(prompt_ids)
             self._commands.put((_ADD, request))
             self._start_locked()
         return rid
+
+    def _check_bounds_locked(self, prompt_tokens: int) -> None:
+        config = self.config
+        limit = config.max_waiting_requests
+        if limit is not None and self._queued_requests >= limit:
+            self.num_rejected += 1
+            raise EngineOverloadedError(
+                f"{self._queued_requests} requests are waiting to start "
+                f"(max_waiting_requests={limit}); retry later"
+            )
+        limit = config.max_queued_tokens
+        if (
+            limit is not None
+            and self._queued_requests
+            and self._queued_tokens + prompt_tokens > limit
+        ):
+            self.num_rejected += 1
+            raise EngineOverloadedError(
+                f"{self._queued_tokens} prompt tokens are waiting to start and this request "
+                f"adds {prompt_tokens} (max_queued_tokens={limit}); retry later"
+            )
+
+    def _unqueue_locked(self, request: _Request) -> None:
+        if request.queued:
+            request.queued = False
+            self._queued_requests -= 1
+            self._queued_tokens -= len(request.prompt)
+
+    @property
+    def num_queued(self) -> tuple[int, int]:
+        """Requests added and not started yet (no token published), and their prompt tokens."""
+        with self._lock:
+            return self._queued_requests, self._queued_tokens
 
     def _stop_matcher(self, rid: str, stop: Sequence[str] | str | None) -> StopStringMatcher | None:
         if stop is None:
@@ -319,8 +408,13 @@ class Engine:
             request = self._registry.get(request_id)
             if request is None or request.final is not None or self._stopped:
                 return False
-            self._commands.put((_ABORT, request_id))
+            self._commands.put((_ABORT, request))
         return True
+
+    def _abandon(self, requests: list[_Request]) -> None:
+        """A stream's consumer left: cancel what it followed (reentrant, any thread)."""
+        for request in requests:
+            self._commands.put((_ABANDON, request))
 
     abort = cancel
 
@@ -439,54 +533,67 @@ class Engine:
     def stream(self, request_id: str) -> RequestStream:
         """Iterate over the request's deltas; the last one has ``finished=True``.
 
-        Deltas produced before this call come first, folded into one. Abandoning
-        the iterator before the end (``close()``, ``break`` and dropping it, or
-        garbage collection) cancels the request.
+        Deltas produced before this call come first, folded into one, and so do
+        deltas produced while the consumer was busy. Abandoning the iterator before
+        the end (``close()``, ``break`` and dropping it, or garbage collection)
+        cancels the request.
         """
-        sink: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            request = self._lookup(request_id)
-            catch_up = self._attach_locked(request)
-            if request.final is None:
-                request.sink = sink
-        if catch_up is not None:
-            sink.put(catch_up)
-        return RequestStream(self, request_id, sink)
+        group = SinkGroup()
+        self._attach([request_id], group)
+        stream = RequestStream(self._lock, group, self._abandon)
+        stream.request_id = request_id
+        return stream
 
     def stream_async(self, request_id: str) -> AsyncRequestStream:
         """``stream`` for coroutines: ``async for delta in engine.stream_async(rid)``."""
-        loop = asyncio.get_running_loop()
-        aqueue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            request = self._lookup(request_id)
-            catch_up = self._attach_locked(request)
-            if request.final is None:
-                request.async_sink = (loop, aqueue)
-        if catch_up is not None:
-            aqueue.put_nowait(catch_up)
-        return AsyncRequestStream(self, request_id, aqueue)
+        group = SinkGroup(asyncio.get_running_loop())
+        self._attach([request_id], group)
+        stream = AsyncRequestStream(self._lock, group, self._abandon)
+        stream.request_id = request_id
+        return stream
 
-    def _attach_locked(self, request: _Request) -> OnlineRequestOutput | None:
-        """Check a stream may attach; return the delta covering what it missed, if any."""
-        if request.streamed:
-            raise ValueError(f"request {request.request_id!r} is already being streamed")
-        final = request.final
-        if final is not None:  # finished, unclaimed: the stream gets it all at once
-            self._collect(request)
-            return dataclasses.replace(
-                final, new_token_ids=list(final.token_ids), new_text=final.text
-            )
-        if not request.token_ids and not request.text:
-            return None
-        return OnlineRequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt,
-            token_ids=list(request.token_ids),
-            finished=False,
-            new_token_ids=list(request.token_ids),
-            text=request.text,
-            new_text=request.text,
-        )
+    def stream_many_async(self, request_ids: Sequence[str]) -> AsyncStreamGroup:
+        """The deltas of several requests as ``(index, delta)`` in the order they come,
+        read by one coroutine (the ``n`` choices of one API call); abandoning it cancels
+        the requests not finished yet."""
+        group = SinkGroup(asyncio.get_running_loop())
+        self._attach(request_ids, group)
+        return AsyncStreamGroup(self._lock, group, self._abandon)
+
+    def _attach(self, request_ids: Sequence[str], group: SinkGroup) -> None:
+        """Give each request a sink of ``group``, holding what it produced so far."""
+        with self._lock:
+            requests = [self._lookup(rid) for rid in request_ids]
+            for request in requests:
+                if request.streamed:
+                    raise ValueError(f"request {request.request_id!r} is already being streamed")
+            if len({id(r) for r in requests}) != len(requests):
+                raise ValueError("a request can be streamed only once")
+            wakes: list[SinkGroup] = []
+            for request in requests:
+                sink = group.add(request)
+                request.streamed = True
+                final = request.final
+                if final is not None:  # finished, unclaimed: the stream gets it all at once
+                    self._collect(request)
+                    catch_up = dataclasses.replace(
+                        final, new_token_ids=list(final.token_ids), new_text=final.text
+                    )
+                    sink.offer(catch_up, wakes)
+                    continue
+                request.sink = sink
+                if request.token_ids or request.pieces:
+                    sink.offer(
+                        OnlineRequestOutput(
+                            request_id=request.request_id,
+                            prompt_token_ids=request.prompt,
+                            token_ids=list(request.token_ids),
+                            finished=False,
+                            new_token_ids=list(request.token_ids),
+                            new_text=request.text,
+                        ),
+                        wakes,
+                    )
 
     def _lookup(self, request_id: str) -> _Request:
         request = self._registry.get(request_id)
@@ -541,6 +648,8 @@ class Engine:
                         break
                     closing = self._apply(command)
                 if not closing and self._active:
+                    self._expire()
+                if not closing and self._active:
                     self._step()
         except BaseException as exc:  # a bug in this layer: fail everything, stay closable
             logger.exception("cbgen online engine loop died")
@@ -562,15 +671,28 @@ class Engine:
                 return False
             self._active[request.request_id] = request
         elif kind == _ABORT or kind == _ABANDON:
-            request = self._active.pop(arg, None)
-            if request is not None:
-                self.core.abort(arg)
-                self._publish([self._final(request, FinishReason.ABORTED, None)])
+            self._end(arg, FinishReason.ABORTED, None)
         elif kind == _BARRIER:
             arg.set()
         elif kind == _CLOSE:
             return True
         return False
+
+    def _end(self, request: _Request, reason: FinishReason, error: str | None) -> None:
+        """Finish a request that is still in the core (the very object: a command for an
+        earlier request with the same id does nothing)."""
+        if self._active.get(request.request_id) is not request:
+            return
+        del self._active[request.request_id]
+        self.core.abort(request.request_id)
+        self._publish([self._final(request, reason, error)])
+
+    def _expire(self) -> None:
+        """Finish the requests whose ``timeout`` has passed."""
+        now = time.monotonic()
+        expired = [r for r in self._active.values() if r.deadline is not None and r.deadline <= now]
+        for request in expired:
+            self._end(request, FinishReason.TIMEOUT, "the request's timeout passed")
 
     def _step(self) -> None:
         core = self.core
@@ -593,7 +715,15 @@ class Engine:
                 core.abort(out.request_id)
                 deltas.append(self._final(request, FinishReason.ERROR, f"{exc!r}"))
         if deltas:
-            self._publish(deltas)
+            for request in self._publish(deltas):
+                self.num_unread_aborts += 1
+                self._end(
+                    request,
+                    FinishReason.ABORTED,
+                    "the stream's consumer stopped reading "
+                    f"(max_unread_tokens={self.max_unread_tokens}, "
+                    f"stream_timeout={self.stream_timeout})",
+                )
 
     def _delta(self, request: _Request, out: RequestOutput) -> OnlineRequestOutput:
         finished = out.finished
@@ -609,7 +739,8 @@ class Engine:
                     if not finished:
                         self.core.abort(request.request_id)
                     finished, reason = True, FinishReason.STOP
-            text = request.text + new_text  # request.text changes only on this thread
+            if finished:
+                text = request.text + new_text  # pieces change only on this thread
         if finished:
             del self._active[request.request_id]
         return OnlineRequestOutput(
@@ -658,46 +789,63 @@ class Engine:
         ]
         if not failed:  # the failure happened before anything ran: fail the lot, to make progress
             failed = list(self._active.values())
-        deltas = []
         for request in failed:
-            del self._active[request.request_id]
-            core.abort(request.request_id)
-            deltas.append(self._final(request, FinishReason.ERROR, message))
-        self._publish(deltas)
+            self._end(request, FinishReason.ERROR, message)
 
-    def _publish(self, deltas: list[OnlineRequestOutput]) -> None:
-        """Hand a step's deltas to their consumers (one lock, one wake-up per event loop)."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+    def _publish(self, deltas: list[OnlineRequestOutput]) -> list[_Request]:
+        """Hand a step's deltas to their consumers (one lock, one wake-up per event loop).
+
+        Returns the unfinished requests whose stream's consumer is too far behind
+        (``max_unread_tokens`` / ``stream_timeout``), for the loop to abort.
+        """
+        wakes: list[SinkGroup] = []
+        behind: list[_Request] = []
+        max_unread, timeout = self.max_unread_tokens, self.stream_timeout
+        futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
         with self._lock:
             registry = self._registry
+            now = time.monotonic()
             for delta in deltas:
                 request = registry.get(delta.request_id)
                 if request is None or request.final is not None:
                     continue
-                request.token_ids = delta.token_ids
-                request.text = delta.text
-                if request.sink is not None:
-                    request.sink.put(delta)
-                elif request.async_sink is not None:
-                    loop, aqueue = request.async_sink
-                    batch = batches.get(loop)
-                    if batch is None:
-                        batch = batches[loop] = []
-                    batch.append((aqueue, delta))
+                if request.queued:
+                    self._unqueue_locked(request)
+                request.token_ids.extend(delta.new_token_ids)
+                if delta.new_text and request.pieces is not None:
+                    request.pieces.append(delta.new_text)
+                sink = request.sink
+                if sink is not None:
+                    sink.offer(delta, wakes)
+                    if not delta.finished and (
+                        sink.unread_tokens > max_unread
+                        or (timeout is not None and now - sink.since > timeout)
+                    ):
+                        behind.append(request)
                 if delta.finished:
                     self._settle_locked(request, delta)
-        for loop, items in batches.items():
+            for group in wakes:
+                group.wake(futures)
+        for loop, items in futures.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(resolve_all, items)
             except RuntimeError:  # the consumer's event loop is gone: stop its requests
-                for _, delta in items:
-                    if not delta.finished:
-                        self._commands.put((_ABANDON, delta.request_id))
+                with self._lock:
+                    gone = [
+                        s.request
+                        for g in wakes
+                        if g.loop is loop
+                        for s in g.sinks
+                        if not s.done and s.request.final is None
+                    ]
+                self._abandon(gone)
+        return behind
 
     def _settle_locked(self, request: _Request, final: OnlineRequestOutput) -> None:
         request.final = final
-        streamed = request.streamed
-        request.sink = request.async_sink = None
+        self._unqueue_locked(request)
+        streamed = request.sink is not None
+        request.sink = None
         waiters = request.waiters
         if waiters or streamed:  # claimed: its consumers have it, nothing is retained
             self._registry.pop(request.request_id, None)
@@ -754,64 +902,3 @@ async def _wait(
         await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
     except asyncio.TimeoutError:
         raise TimeoutError("timed out") from None
-
-
-class _StreamBase:
-    """What both stream faces share: the request they follow and cancel-on-abandon."""
-
-    def __init__(self, engine: Engine, request_id: str) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self._done = False
-
-    def close(self) -> None:
-        """Stop listening; an unfinished request is cancelled."""
-        if not self._done:
-            self._done = True
-            # SimpleQueue.put is reentrant: safe from a finalizer on any thread.
-            self._engine._commands.put((_ABANDON, self.request_id))
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            self.close()
-
-
-class RequestStream(_StreamBase, Iterator[OnlineRequestOutput]):
-    """The deltas of one request (from ``Engine.stream``); cancels it if abandoned."""
-
-    def __init__(self, engine: Engine, request_id: str, sink: queue.SimpleQueue) -> None:
-        super().__init__(engine, request_id)
-        self._sink = sink
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> OnlineRequestOutput:
-        if self._done:
-            raise StopIteration
-        delta = self._sink.get()
-        if delta.finished:
-            self._done = True
-        return delta
-
-
-class AsyncRequestStream(_StreamBase, AsyncIterator[OnlineRequestOutput]):
-    """The deltas of one request (from ``Engine.stream_async``); cancels it if abandoned."""
-
-    def __init__(self, engine: Engine, request_id: str, aqueue: asyncio.Queue) -> None:
-        super().__init__(engine, request_id)
-        self._queue = aqueue
-
-    def __aiter__(self) -> AsyncRequestStream:
-        return self
-
-    async def __anext__(self) -> OnlineRequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        delta = await self._queue.get()
-        if delta.finished:
-            self._done = True
-        return delta
-
-    async def aclose(self) -> None:
-        self.close()

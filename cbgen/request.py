@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens reached
     CONTEXT_LIMIT = "context_limit"  # the model's (or the cache's) context is full
     ABORTED = "aborted"  # cancelled by the caller
+    TIMEOUT = "timeout"  # the request's own deadline passed (online engine, ``timeout``)
     ERROR = "error"  # rejected at admission, or failed in a step (``RequestOutput.error`` says why)
 
     def __str__(self) -> str:

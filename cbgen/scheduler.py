@@ -8,7 +8,10 @@ Two policies share one base class and differ only in the order of a step's phase
 
 Both honour ``SamplingParams.priority``: the waiting queue and each phase are ordered by
 ``(priority, arrival)``, and the preemption victim is the running request with the
-highest such key (lowest priority, then newest).
+highest such key (lowest priority, then newest). A waiting request that cannot start
+(no sequence slot, or too few free blocks for its first chunk) preempts running
+requests of a strictly lower priority (a higher value) until it can, except under
+full-length admission, which never preempts.
 
 Preemption frees a request's blocks for others. By default (recompute) its K/V is
 dropped and recomputed when it is admitted again; with a swap space
@@ -244,6 +247,7 @@ class Scheduler:
         if self._windowed:
             for request in self.running:
                 self._drop_out_of_window(request)
+        by_priority = self._make_room_for_priority(out)
         step = _Step(self.max_batch_tokens)
         running = sorted(self.running, key=_key)
         # A request whose pending token is its last (async scheduling) is not run again.
@@ -259,7 +263,8 @@ class Scheduler:
                 self._schedule_running(decoding, step, out)
             elif phase == PREFILL:
                 self._schedule_running(prefilling, step, out)
-            elif not out.preempted:  # the cache is full: admitting more would only thrash
+            elif len(out.preempted) == by_priority:  # else the cache is full: admitting
+                # more would only thrash (preempted for a higher priority is the exception)
                 if self.full_length_admission:
                     reserve = sum(self._blocks_to_finish(r) for r in self.running)
                 else:
@@ -274,6 +279,28 @@ class Scheduler:
                     self._admit(step, out, reserve)
         self._count(out)
         return out
+
+    def _make_room_for_priority(self, out: SchedulerOutput) -> int:
+        """Preempt running requests of lower priority than the head of the queue while it
+        could not start for lack of a slot or of blocks; returns how many. Not under
+        full-length admission, which promises that nothing is ever preempted."""
+        count = 0
+        if self.full_length_admission:
+            return count
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim = max(self.running, key=_key)
+            if victim.params.priority <= head.params.priority:
+                break
+            first_chunk = min(head.num_tokens, self.max_batch_tokens)
+            needed = -(-first_chunk // self.block_size) * len(self.groups)
+            # A block of slack per running request: their decodes come first.
+            room = self.allocator.num_free - len(self.running)
+            if len(self.running) < self.max_num_seqs and needed <= room:
+                break
+            self._preempt(victim, out)
+            count += 1
+        return count
 
     def _schedule_running(self, requests: list[Request], step: _Step, out: SchedulerOutput) -> None:
         for request in requests:

@@ -6,12 +6,13 @@ import asyncio
 import gc
 import random
 import threading
+import time
 
 import pytest
 from conftest import random_prompts, reference_greedy
 
 from cbgen import EngineConfig, SamplingParams
-from cbgen.online import Engine, EngineClosedError
+from cbgen.online import Engine, EngineClosedError, EngineOverloadedError
 
 NUM_BLOCKS = 96
 
@@ -20,7 +21,14 @@ def make_engine(model, tokenizer=None, **config):
     config.setdefault("num_blocks", NUM_BLOCKS)
     config.setdefault("block_size", 8)
     retained = config.pop("max_retained_results", 4096)
-    return Engine(model, tokenizer, EngineConfig(**config), max_retained_results=retained)
+    unread = config.pop("max_unread_tokens", 4096)
+    return Engine(
+        model,
+        tokenizer,
+        EngineConfig(**config),
+        max_retained_results=retained,
+        max_unread_tokens=unread,
+    )
 
 
 def assert_no_leak(engine):
@@ -428,4 +436,105 @@ def test_asyncio_streaming_and_results(llama):
 
     with make_engine(llama) as engine:
         asyncio.run(main(engine))
+        assert_no_leak(engine)
+
+
+# -- bounds -------------------------------------------------------------------------------
+
+
+def _blocking_processor(release: threading.Event, entered: threading.Event):
+    """A logits processor that holds the loop thread inside a step until released."""
+
+    def hold(token_ids, logits):
+        entered.set()
+        release.wait(60)
+        return logits
+
+    return hold
+
+
+def test_a_stream_nobody_reads_is_aborted_and_bounded(llama):
+    with make_engine(llama, max_unread_tokens=8) as engine:
+        rid = engine.add_request([5, 6, 7], long_params())
+        stream = engine.stream(rid)  # attached, never read while it runs
+        ok = engine.add_request([5, 6, 8], greedy(20))
+        assert engine.get_result(ok, timeout=60).finish_reason in ("length", "eos")
+        assert_no_leak(engine)  # the unread request is gone and its blocks are back
+        assert engine.num_unread_aborts == 1
+        (delta,) = list(stream)  # what was never read, merged into one delta
+        assert delta.finished and delta.finish_reason == "aborted"
+        assert "stopped reading" in delta.error
+        assert 8 < len(delta.new_token_ids) <= 9 and delta.new_token_ids == delta.token_ids
+
+
+def test_a_late_reader_gets_everything_in_one_delta(llama):
+    prompt = [5, 9, 11, 30]
+    expected = reference_greedy(llama, prompt, 30)
+    with make_engine(llama) as engine:
+        rid = engine.add_request(prompt, greedy(30))
+        stream = engine.stream(rid)
+        while rid in engine._registry:  # finished, settled into the unread stream
+            engine.sync(timeout=30)
+        (delta,) = list(stream)
+        assert delta.finished and delta.new_token_ids == delta.token_ids == expected
+
+
+def test_a_stale_stream_never_cancels_a_newer_request_with_its_id(llama):
+    with make_engine(llama) as engine:
+        rid = engine.add_request([5, 6, 7], greedy(3, ignore_eos=True), request_id="same")
+        stale = engine.stream(rid)
+        while "same" in engine._registry:
+            engine.sync(timeout=30)
+        engine.add_request([5, 6, 7], greedy(30, ignore_eos=True), request_id="same")
+        stale.close()  # its request is done; the new one must not be touched
+        del stale
+        gc.collect()
+        out = engine.get_result("same", timeout=60)
+        assert out.finish_reason == "length" and len(out.token_ids) == 30
+        assert_no_leak(engine)
+
+
+def test_queue_bounds_refuse_with_overloaded_error(llama):
+    release, entered = threading.Event(), threading.Event()
+    hold = SamplingParams(
+        max_new_tokens=2, logits_processors=[_blocking_processor(release, entered)]
+    )
+    with make_engine(llama, max_waiting_requests=2, max_queued_tokens=10) as engine:
+        try:
+            first = engine.add_request([5, 6, 7], hold)
+            assert entered.wait(60)  # the loop is inside a step: nothing is published
+            second = engine.add_request([5, 6, 8], greedy(2))
+            with pytest.raises(EngineOverloadedError, match="max_waiting_requests=2"):
+                engine.add_request([5, 6, 9], greedy(2))
+            assert engine.num_queued == (2, 6)
+        finally:
+            release.set()
+        engine.get_result(first, timeout=60)
+        engine.get_result(second, timeout=60)
+        assert engine.num_queued == (0, 0)
+        # a single request longer than max_queued_tokens is taken when nothing waits
+        big = engine.add_request(list(range(3, 20)), greedy(2))
+        assert engine.get_result(big, timeout=60).finish_reason in ("length", "eos")
+        assert engine.num_rejected == 1
+        assert_no_leak(engine)
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        EngineConfig(max_waiting_requests=0)
+
+
+def test_request_timeout_finishes_it_with_what_it_has(llama):
+    release, entered = threading.Event(), threading.Event()
+    params = SamplingParams(
+        max_new_tokens=400,
+        ignore_eos=True,
+        logits_processors=[_blocking_processor(release, entered)],
+    )
+    with make_engine(llama) as engine:
+        rid = engine.add_request([5, 6, 7], params, timeout=0.001)
+        assert entered.wait(60)
+        time.sleep(0.01)  # past the deadline for sure, whatever the machine's speed
+        release.set()
+        out = engine.get_result(rid, timeout=60)
+        assert out.finish_reason == "timeout" and 1 <= len(out.token_ids) < 400
+        with pytest.raises(ValueError, match="timeout"):
+            engine.add_request([5, 6], greedy(2), timeout=0)
         assert_no_leak(engine)

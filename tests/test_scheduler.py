@@ -398,3 +398,28 @@ def test_disabled_prefix_cache_never_shares():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="unknown scheduler policy"):
         make_scheduler("lifo", BlockAllocator(4), 4, 16, 4)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
+def test_waiting_request_of_higher_priority_preempts_a_running_one(policy):
+    allocator = BlockAllocator(64)
+    scheduler = make_scheduler(policy, allocator, 4, max_batch_tokens=64, max_num_seqs=2)
+    low = [_request(f"low{i}", [3 + i] * 6, i, max_new=50, priority=1) for i in range(2)]
+    for r in low:
+        scheduler.add(r)
+    _apply(scheduler, scheduler.schedule())  # both run: every slot is taken
+    same = _request("same", [7] * 5, 2, max_new=1, priority=1)
+    scheduler.add(same)
+    out = scheduler.schedule()  # equal priority waits its turn
+    assert not out.preempted and same in scheduler.waiting
+    _apply(scheduler, out)
+    urgent = _request("urgent", [8] * 5, 3, max_new=1, priority=0)
+    scheduler.add(urgent)
+    out = scheduler.schedule()
+    assert out.preempted == [low[1]]  # the newest of the lowest priority
+    assert urgent in [c.request for c in out.chunks]
+    assert low[1].status is RequestStatus.WAITING and low[1].block_ids == []
+    _apply(scheduler, out)
+    while scheduler.has_unfinished():
+        _apply(scheduler, scheduler.schedule())
+    assert allocator.num_free == 64
