@@ -37,6 +37,7 @@ Design:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -98,6 +99,24 @@ class OnlineRequestOutput(RequestOutput):
 
     text: str | None = None
     new_text: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state as its loop thread last published it (after every step), so
+    that other threads (a metrics scrape) never read the scheduler while it changes."""
+
+    running: int = 0
+    waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0  # truly free plus evictable cached blocks
+    num_evictable_blocks: int = 0
+    preemptions: int = 0
+    cached_tokens: int = 0
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    unread_aborts: int = 0
+    rejected: int = 0
 
 
 class _Request:
@@ -245,6 +264,8 @@ class Engine:
         self._stopped = False  # the loop has ended; every request is settled
         self._loop_error: BaseException | None = None
         self._core_closed = False
+        self._snapshot = EngineSnapshot()
+        self._publish_snapshot()
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -651,6 +672,7 @@ class Engine:
                     self._expire()
                 if not closing and self._active:
                     self._step()
+                self._publish_snapshot()
         except BaseException as exc:  # a bug in this layer: fail everything, stay closable
             logger.exception("cbgen online engine loop died")
             self._loop_error = exc
@@ -659,6 +681,31 @@ class Engine:
             self._shutdown(FinishReason.ERROR, f"engine loop died: {exc!r}")
             return
         self._shutdown(FinishReason.ABORTED, None)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Queue lengths and KV blocks as of the last step, the queue bounds' counts as of
+        now (any thread)."""
+        with self._lock:
+            return dataclasses.replace(
+                self._snapshot,
+                queued_requests=self._queued_requests,
+                queued_tokens=self._queued_tokens,
+                rejected=self.num_rejected,
+            )
+
+    def _publish_snapshot(self) -> None:
+        core = self.core
+        scheduler, allocator = core.scheduler, core.allocator
+        self._snapshot = EngineSnapshot(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting) + len(scheduler.swapped),
+            num_blocks=allocator.num_blocks,
+            num_free_blocks=allocator.num_free,
+            num_evictable_blocks=allocator.num_evictable,
+            preemptions=core.stats.get("preemptions", 0),
+            cached_tokens=core.stats.get("cached_tokens", 0),
+            unread_aborts=self.num_unread_aborts,
+        )
 
     def _apply(self, command: tuple[int, Any]) -> bool:
         kind, arg = command
@@ -890,6 +937,8 @@ class Engine:
                 break
             if kind == _BARRIER:
                 arg.set()
+        with contextlib.suppress(Exception):  # a broken core keeps its last snapshot
+            self._publish_snapshot()
 
 
 async def _wait(

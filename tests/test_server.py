@@ -350,12 +350,13 @@ def test_bad_parameters(server):
         for i in range(0, len(data), 65536):
             yield data[i : i + 65536]
 
+    as_json = {**server.auth, "content-type": "application/json"}
     resp = server.http.post(
-        "/v1/completions", content=chunked(json.dumps(big).encode()), headers=server.auth
+        "/v1/completions", content=chunked(json.dumps(big).encode()), headers=as_json
     )
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
     small = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
-    resp = server.http.post("/v1/completions", content=chunked(small), headers=server.auth)
+    resp = server.http.post("/v1/completions", content=chunked(small), headers=as_json)
     assert resp.status_code == 200
     resp = server.http.post(
         "/v1/completions",

@@ -1,10 +1,16 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions on the online engine.
 
 Every API call becomes one engine request per choice (``n`` samples of each prompt,
-sample ``i`` seeded with ``seed + i``), streamed from the engine with
-``stream_async``. A streamed answer is written as server-sent events; a plain one is
-gathered while a watcher waits for the client to go away. Either way, a client that
-disconnects cancels its requests and their KV blocks come back before the next step.
+sample ``i`` seeded with ``seed + i``), all read by one coroutine through
+``Engine.stream_many_async``. A streamed answer is written as server-sent events; a
+plain one is gathered while a watcher waits for the client to go away. Either way, a
+client that disconnects, or stops reading for ``stream_timeout`` seconds, cancels its
+requests and their KV blocks come back before the next step.
+
+Tokenizing and chat templates run on a small thread pool, after a cheap length check,
+so one huge prompt never stalls the event loop (and every other stream) while it is
+encoded. ``begin_drain`` / ``end_streams`` implement a graceful shutdown (see
+``cbgen.server.lifecycle``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -25,10 +32,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from ..online import Engine, EngineClosedError, OnlineRequestOutput
+from ..online import Engine, EngineClosedError, EngineOverloadedError, OnlineRequestOutput
 from ..request import FinishReason
 from ..sampling import SamplingParams, sample_seed
+from .guard import LOOPBACK_HOSTS, APIGuard
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     CHAT_NEUTRAL,
@@ -48,13 +57,34 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
+MAX_PRIORITY = 1 << 31  # |priority| bound: an ordering key, not a number to compute with
 _DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body
+_SHUTDOWN_MESSAGE = "The server is shutting down; the request was cut short."
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for (an upper bound, from the vocabulary's
+    token strings: byte-level and SentencePiece pieces are at least as long as their text),
+    so a text of ``c`` characters has at least ``c / max_token_chars`` tokens."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # no vocabulary to read: no cheap bound
+        return 1 << 30
+    return max((len(token) for token in vocab), default=1) or 1
 
 
 class _Job:
     """One API call: its engine requests (one per choice) and what they produced."""
 
-    def __init__(self, kind: str, n: int, stream: bool, include_usage: bool, t0: float) -> None:
+    def __init__(
+        self,
+        kind: str,
+        n: int,
+        stream: bool,
+        include_usage: bool,
+        t0: float,
+        timeout: float | None = None,
+    ) -> None:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.kind = kind
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -63,8 +93,9 @@ class _Job:
         self.stream = stream
         self.include_usage = include_usage
         self.t0 = t0
+        self.timeout = timeout
         self.rids: list[str] = []
-        self.streams: list[Any] = []
+        self.choices: Any = None  # the AsyncStreamGroup of every choice
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.done = False  # every choice finished (not cut short by the client)
@@ -88,25 +119,31 @@ def _strip_request_prefix(message: str) -> str:
     return message
 
 
-class _CountStatus:
-    """Pure ASGI middleware counting API calls by endpoint and status (streams untouched)."""
+class _TimedStreamingResponse(StreamingResponse):
+    """A streaming response whose every write must go through within ``send_timeout``
+    seconds: a client that stops reading fills its socket buffers, the write then
+    waits, and past the timeout the stream is closed (its requests cancelled, counted
+    as a disconnect) instead of holding the connection and its requests forever."""
 
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
+    def __init__(self, *args: Any, send_timeout: float | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.send_timeout = send_timeout
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if not path.startswith("/v1/"):
-            await self.app(scope, receive, send)
+    async def stream_response(self, send: Any) -> None:
+        if self.send_timeout is None:
+            await super().stream_response(send)
             return
+        timeout = self.send_timeout
 
-        async def counting_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.http[(path, int(message["status"]))] += 1
-            await send(message)
+        async def timed_send(message: Any) -> None:
+            await asyncio.wait_for(send(message), timeout)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await super().stream_response(timed_send)
+        except asyncio.TimeoutError:  # the body's GeneratorExit counts the disconnect
+            body = self.body_iterator
+            if hasattr(body, "aclose"):
+                await body.aclose()
 
 
 class _Server:
@@ -118,6 +155,8 @@ class _Server:
         api_key: str | None,
         max_body_bytes: int,
         max_choices: int,
+        max_tokens_limit: int | None,
+        tokenizer_threads: int,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -125,8 +164,29 @@ class _Server:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_choices = max_choices
+        self.max_tokens_limit = max_tokens_limit
         self.max_model_len = engine.core.max_model_len
+        self.max_prompt_chars = self.max_model_len * max_token_chars(tokenizer)
         self.metrics = ServerMetrics(engine, model_name)
+        self.tokenize_pool = ThreadPoolExecutor(tokenizer_threads, "cbgen-tokenize")
+        self.jobs: set[_Job] = set()  # calls with requests in the engine
+        self.draining = False  # no new calls (SIGTERM)
+        self.shutting_down = False  # the drain time is over: open streams end with an error
+
+    # -- graceful shutdown ----------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Refuse new calls (503) and report draining on /health; running calls go on."""
+        self.draining = True
+
+    def end_streams(self) -> None:
+        """The drain time is over: cancel what still runs; streams send a final error event."""
+        self.shutting_down = True
+        for job in list(self.jobs):
+            self.cancel(job)
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- request checks -------------------------------------------------------------------
 
@@ -180,6 +240,8 @@ class _Server:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise APIError(400, f"The body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "The body is not valid JSON: it is nested too deeply.") from None
         if not isinstance(data, dict):
             raise APIError(400, "The body must be a JSON object.")
         return data
@@ -206,10 +268,19 @@ class _Server:
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
+        cap = self.max_tokens_limit
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
+            if cap is not None:
+                max_tokens = min(max_tokens, cap)
         elif max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        elif cap is not None and max_tokens > cap:
+            raise APIError(
+                400,
+                f"max_tokens must be at most {cap} on this server, got {max_tokens}.",
+                "max_tokens",
+            )
         elif prompt_len + max_tokens > limit:
             raise APIError(
                 400,
@@ -228,6 +299,13 @@ class _Server:
         top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
         if top_k < 0:
             raise APIError(400, f"top_k must be >= 0 (0 or -1 = off), got {top_k}.", "top_k")
+        priority = req.priority
+        if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise APIError(
+                400,
+                f"priority must be within +-2**31 (lower runs first), got {priority}.",
+                "priority",
+            )
         return SamplingParams(
             max_new_tokens=max_tokens,
             temperature=float(temperature),
@@ -235,6 +313,7 @@ class _Server:
             top_k=top_k,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
+            priority=priority,
         )
 
     def num_choices(self, req: Any, num_prompts: int) -> int:
@@ -270,7 +349,7 @@ class _Server:
         params: list[SamplingParams],
         stop: list[str] | None,
     ) -> None:
-        """Add one engine request per choice and attach its stream (all or nothing)."""
+        """Add one engine request per choice and attach their stream (all or nothing)."""
         engine = self.engine
         try:
             for p, (prompt, base) in enumerate(zip(prompts, params, strict=True)):
@@ -278,50 +357,44 @@ class _Server:
                     sample = base
                     if base.seed is not None and i:
                         sample = dataclasses.replace(base, seed=sample_seed(base.seed, i))
-                    rid = engine.add_request(prompt, sample, f"{job.id}-{p * job.n + i}", stop=stop)
+                    rid = engine.add_request(
+                        prompt, sample, f"{job.id}-{p * job.n + i}", stop=stop, timeout=job.timeout
+                    )
                     job.rids.append(rid)
-                    job.streams.append(engine.stream_async(rid))
+            job.choices = engine.stream_many_async(job.rids)
         except ValueError as exc:
             self.cancel(job)
             raise APIError(400, _strip_request_prefix(str(exc))) from None
+        except EngineOverloadedError as exc:
+            self.cancel(job)
+            raise APIError(
+                429,
+                f"The server is busy: {exc}",
+                type="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(max(1, round(exc.retry_after)))},
+            ) from None
         except EngineClosedError as exc:
             self.cancel(job)
             raise APIError(503, f"The engine is not running: {exc}", type="server_error") from None
+        self.jobs.add(job)
         job.prompt_tokens = sum(len(p) for p in prompts)
-        self.metrics.prompt_tokens += job.prompt_tokens
+        self.metrics.prompt_tokens.inc(job.prompt_tokens)
 
     def cancel(self, job: _Job) -> None:
-        for stream in job.streams:
-            stream.close()  # cancels the request unless it finished
+        self.jobs.discard(job)
+        if job.choices is not None:
+            job.choices.close()  # cancels the requests not finished
         for rid in job.rids:
             self.engine.cancel(rid)
 
     async def deltas(self, job: _Job) -> AsyncIterator[tuple[int, OnlineRequestOutput]]:
         """Every choice's deltas as they come, tagged with the choice index; times tokens."""
         metrics = self.metrics
-        last: list[float | None] = [None] * len(job.streams)
-        remaining = len(job.streams)
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream: Any) -> None:
-            try:
-                async for delta in stream:
-                    merged.put_nowait((index, delta))
-            except Exception as exc:  # never leave the merged stream waiting forever
-                merged.put_nowait((index, exc))
-
-        tasks = []
-        if len(job.streams) > 1:
-            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(job.streams)]
-        single = job.streams[0] if len(job.streams) == 1 else None
+        last: list[float | None] = [None] * len(job.rids)
+        remaining = len(job.rids)
         try:
-            while remaining:
-                if single is not None:
-                    index, delta = 0, await single.__anext__()
-                else:
-                    index, delta = await merged.get()
-                    if isinstance(delta, Exception):
-                        raise delta
+            async for index, delta in job.choices:
                 now = time.perf_counter()
                 count = len(delta.new_token_ids)
                 if count:
@@ -329,19 +402,20 @@ class _Server:
                     if previous is None:
                         metrics.ttft.observe(now - job.t0)
                     else:
-                        metrics.itl.observe((now - previous) / count, count)
+                        gap = (now - previous) / count
+                        for _ in range(count):
+                            metrics.itl.observe(gap)
                     last[index] = now
-                    metrics.generation_tokens += count
+                    metrics.generation_tokens.inc(count)
                     job.completion_tokens += count
                 if delta.finished:
                     remaining -= 1
                     metrics.e2e.observe(now - job.t0)
-                    metrics.finished[str(delta.finish_reason)] += 1
+                    metrics.finished.labels(str(delta.finish_reason)).inc()
                 yield index, delta
-            job.done = True
+            job.done = remaining == 0
         finally:
-            for task in tasks:
-                task.cancel()
+            self.jobs.discard(job)
             if not job.done:
                 self.cancel(job)
 
@@ -370,13 +444,15 @@ class _Server:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 self.cancel(job)
-                self.metrics.disconnects += 1
+                self.metrics.disconnects.inc()
         if task.cancelled():
             raise APIError(499, "The client closed the request.", code="client_closed_request")
         task.result()
         for final in finals:
             if final.finish_reason is FinishReason.ERROR:
                 raise APIError(500, f"Generation failed: {final.error}", type="server_error")
+            if self.shutting_down and final.finish_reason is FinishReason.ABORTED:
+                raise APIError(503, _SHUTDOWN_MESSAGE, type="server_error")
         return finals
 
     async def sse(self, job: _Job) -> AsyncIterator[str]:
@@ -407,6 +483,9 @@ class _Server:
                         message = f"Generation failed: {delta.error}"
                         yield _sse(error_body(message, "server_error"))
                         break
+                    if self.shutting_down and delta.finish_reason is FinishReason.ABORTED:
+                        yield _sse(error_body(_SHUTDOWN_MESSAGE, "server_error"))
+                        break
                     text = delta.new_text or ""
                     if not text and not delta.finished:
                         continue
@@ -430,7 +509,7 @@ class _Server:
                 yield _sse({**head, "choices": [], "usage": job.usage()})
             yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
-            self.metrics.disconnects += 1
+            self.metrics.disconnects.inc()
             raise
         finally:
             if not job.done:
@@ -438,11 +517,12 @@ class _Server:
 
     def stream_response(self, job: _Job) -> StreamingResponse:
         # The background task also cancels a job whose stream never started (client gone).
-        return StreamingResponse(
+        return _TimedStreamingResponse(
             self.sse(job),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             background=BackgroundTask(self.cancel, job),
+            send_timeout=self.engine.stream_timeout,
         )
 
     # -- endpoints ------------------------------------------------------------------------
@@ -452,15 +532,15 @@ class _Server:
         req: CompletionRequest = parse(CompletionRequest, await self.read_json(request))
         self.check_model(req.model)
         check_unsupported(req, COMPLETION_NEUTRAL, best_of_ok=req.n or 1)
-        prompts = self.completion_prompts(req.prompt)
-        n = self.num_choices(req, len(prompts))
+        n = self.num_choices(req, self.num_prompts(req.prompt))
         stop = self.stops(req)
+        include_usage = self.include_usage(req)
+        prompts = await self.off_loop(self.completion_prompts, req.prompt)
         params = [
             self.sampling(req, len(p), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
             for p in prompts
         ]
-        include_usage = self.include_usage(req)
-        job = _Job("completion", n, bool(req.stream), include_usage, t0)
+        job = _Job("completion", n, bool(req.stream), include_usage, t0, req.timeout)
         self.start(job, prompts, params, stop)
         if job.stream:
             return self.stream_response(job)
@@ -489,14 +569,16 @@ class _Server:
         self.check_model(req.model)
         check_unsupported(req, CHAT_NEUTRAL)
         messages = chat_messages(req.messages)
-        prompt = self.chat_prompt(messages)
         n = self.num_choices(req, 1)
         stop = self.stops(req)
+        include_usage = self.include_usage(req)
+        self.check_length(sum(len(m["content"]) for m in messages), "messages")
+        prompt = await self.off_loop(self.chat_prompt, messages)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
         params = [self.sampling(req, len(prompt), max_tokens, None)]
-        job = _Job("chat", n, bool(req.stream), self.include_usage(req), t0)
+        job = _Job("chat", n, bool(req.stream), include_usage, t0, req.timeout)
         self.start(job, [prompt], params, stop)
         if job.stream:
             return self.stream_response(job)
@@ -528,22 +610,55 @@ class _Server:
             )
         return req.stream_options.include_usage
 
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run tokenizer work on the tokenizer pool, never on the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenize_pool, fn, *args)
+
+    def check_length(self, chars: int, param: str) -> None:
+        """A cheap 400 for text that cannot fit, before anything is tokenized."""
+        if chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"The prompt has {chars} characters: more than this model's context of "
+                f"{self.max_model_len} tokens can hold.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    @staticmethod
+    def _prompt_list(prompt: Any) -> list[Any]:
         if isinstance(prompt, str):
-            prompts: list[Any] = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def num_prompts(self, prompt: Any) -> int:
+        """Check the prompts' count and lengths before tokenizing; return the count."""
+        prompts = self._prompt_list(prompt)
         if not prompts:
             raise APIError(400, "prompt is empty.", param="prompt")
         if len(prompts) > self.max_choices:
             raise APIError(
                 400, f"At most {self.max_choices} prompts per call, got {len(prompts)}.", "prompt"
             )
+        self.check_length(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        return len(prompts)
+
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """Token ids of every prompt (runs on the tokenizer pool)."""
         out = []
-        for p in prompts:
-            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
+        for p in self._prompt_list(prompt):
+            if isinstance(p, str):
+                try:
+                    ids = self.tokenizer(p)["input_ids"]
+                except (UnicodeError, ValueError, TypeError) as exc:  # e.g. a lone surrogate
+                    raise APIError(
+                        400, f"The prompt could not be tokenized: {exc}", param="prompt"
+                    ) from None
+            else:
+                ids = list(p)
             if not ids:
                 raise APIError(400, "prompt is empty (it encodes to no tokens).", param="prompt")
             out.append(ids)
@@ -559,6 +674,13 @@ class _Server:
         except Exception as exc:  # the template rejected the conversation (e.g. role order)
             raise APIError(400, f"The chat template failed: {exc}", param="messages") from None
         return list(encoded["input_ids"])
+
+    def health(self) -> JSONResponse:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if self.engine.is_running:
+            return JSONResponse({"status": "ok", "model": self.model_name})
+        return JSONResponse({"status": "engine not running"}, status_code=503)
 
     def models(self) -> dict[str, Any]:
         return {
@@ -583,13 +705,21 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_choices: int = 128,
+    max_tokens_limit: int | None = None,
+    allowed_origins: Collection[str] = (),
+    allowed_hosts: Collection[str] | None = None,
+    tokenizer_threads: int = 2,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (started here if it is not running).
 
     ``api_key`` guards every ``/v1/`` route (``Authorization: Bearer <key>``);
     ``/health`` and ``/metrics`` stay open. ``max_body_bytes`` bounds a request body
     (413 past it); ``max_choices`` bounds the engine requests one call may add
-    (prompts × ``n``). The caller owns the engine and closes it after the server stops.
+    (prompts × ``n``); ``max_tokens_limit`` bounds ``max_tokens`` (400 past it, and the
+    default when a call gives none). Browser requests: an ``Origin`` outside
+    ``allowed_origins`` gets 403 (allowed ones get CORS headers); without an API key
+    only ``Host`` names in ``allowed_hosts`` are served (default: loopback names).
+    The caller owns the engine and closes it after the server stops.
     """
     if tokenizer is None:
         raise ValueError("the server needs the model's tokenizer")
@@ -598,7 +728,18 @@ def create_app(
     if engine.tokenizer is None:
         raise ValueError("the online engine needs the tokenizer (Engine(model, tokenizer))")
     engine.start()
-    server = _Server(engine, tokenizer, model_name, api_key, max_body_bytes, max_choices)
+    if max_tokens_limit is not None and max_tokens_limit < 1:
+        raise ValueError(f"max_tokens_limit must be positive, got {max_tokens_limit}")
+    server = _Server(
+        engine,
+        tokenizer,
+        model_name,
+        api_key,
+        max_body_bytes,
+        max_choices,
+        max_tokens_limit,
+        tokenizer_threads,
+    )
     app = FastAPI(title="cbgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cbgen = server
     auth = [Depends(server.authorize)]
@@ -640,13 +781,26 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_running:
-            return JSONResponse({"status": "ok", "model": model_name})
-        return JSONResponse({"status": "engine not running"}, status_code=503)
+        return server.health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(_CountStatus, metrics=server.metrics)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    if allowed_hosts is None and api_key is None:
+        allowed_hosts = LOOPBACK_HOSTS
+    app.add_middleware(
+        APIGuard,
+        metrics=server.metrics,
+        allowed_origins=allowed_origins,
+        allowed_hosts=None if api_key is not None else allowed_hosts,
+        draining=lambda: server.draining,
+    )
     return app

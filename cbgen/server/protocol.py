@@ -65,6 +65,8 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    priority: int = 0  # extension: lower runs first; may preempt running requests of higher
+    timeout: float | None = Field(default=None, gt=0)  # extension: seconds for the request
 
 
 class CompletionRequest(_Common):
@@ -213,7 +215,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_limit": "length"}
+_FINISH = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "context_limit": "length",
+    "timeout": "timeout",  # the call's own ``timeout`` passed (not an OpenAI value)
+}
 
 
 def finish_reason_name(reason: Any) -> str:
