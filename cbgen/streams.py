@@ -139,10 +139,18 @@ class _StreamBase:
         if self._closed:
             return
         self._closed = True
+        group = self._group
         with self._lock:
-            open_requests = [s.request for s in self._group.sinks if not s.done]
+            open_requests = [s.request for s in group.sinks if not s.done]
+            future = group.future
         if open_requests:
             self._abandon(open_requests)  # a queue put: safe from a finalizer, any thread
+        if future is not None and not future.done():  # a waiting coroutine ends its loop
+            assert group.loop is not None
+            try:
+                group.loop.call_soon_threadsafe(resolve_all, [future])
+            except RuntimeError:  # its event loop is closed: nobody waits any more
+                pass
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -7,8 +7,11 @@ real while every step stays cheap.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import json
+import signal
 import socket
 import threading
 import time
@@ -93,6 +96,7 @@ def server():
             tokenizer=tokenizer,
             client=openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60),
             http=httpx.Client(base_url=base, timeout=60),
+            app_server=app.state.cbgen,
             auth={"Authorization": f"Bearer {API_KEY}"},
         )
     finally:
@@ -413,17 +417,171 @@ def test_disconnect_mid_stream_frees_blocks(server):
     wait_idle(engine)
     after = metric(server.http.get("/metrics").text, "cbgen_client_disconnects_total")
     assert after == before + 1
-    # the same for a plain (non-streamed) call whose client gives up
-    with httpx.Client(base_url=server.base, headers=server.auth, timeout=0.3) as http:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", json=long_body(False))
+    # The same for a plain (non-streamed) call whose client gives up. The engine's loop
+    # is held inside a step meanwhile, so the call cannot finish first, however fast
+    # the machine is (the test used to count on 400 tokens taking over 0.3 s).
+    with hold_engine(engine):
+        sock = socket.create_connection(("127.0.0.1", int(server.base.rsplit(":", 1)[1])))
+        body = json.dumps(long_body(False)).encode()
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body)
+        until(lambda: engine.num_queued[0] == 2, "the call never reached the engine")
+        sock.close()
+        until(
+            lambda: (
+                metric(server.http.get("/metrics").text, "cbgen_client_disconnects_total")
+                == before + 2
+            ),
+            "the disconnect was not noticed",
+        )
     wait_idle(engine)
     text = server.http.get("/metrics").text
-    assert metric(text, "cbgen_client_disconnects_total") == before + 2
     assert metric(text, "cbgen_kv_blocks_used") == 0
     # and the server goes on serving
     r = server.client.completions.create(model=MODEL, prompt="Still here?", max_tokens=3)
     assert r.usage.completion_tokens == 3
+
+
+def until(condition, message, timeout=60.0):
+    """Poll ``condition`` (a failure guard, never a wait that must run out)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def hold_engine(engine):
+    """Keep the engine's loop thread inside a step until the block ends: a request of
+    the test's own whose logits processor waits. Everything else queues meanwhile."""
+    release, entered = threading.Event(), threading.Event()
+
+    def hold(token_ids, logits):
+        entered.set()
+        release.wait(120)
+        return logits
+
+    params = cbgen.SamplingParams(max_new_tokens=1, logits_processors=[hold])
+    rid = engine.add_request([5, 6, 7], params)
+    try:
+        assert entered.wait(60)
+        yield
+    finally:
+        release.set()
+        engine.get_result(rid, timeout=60)
+
+
+def test_a_bad_value_fails_alone(server):
+    """top_k 2**63 used to overflow in the batched sampler and fail every running request."""
+    with httpx.Client(base_url=server.base, headers=server.auth, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=long_body(True)) as victim:
+            lines = victim.iter_lines()
+            next(lines)
+            bad = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 1.0}
+            for field, value, word in [
+                ("top_k", 2**63, "top_k"),
+                ("seed", 2**64, "seed"),
+                ("seed", -1, "seed"),
+                ("priority", 2**40, "priority"),
+                ("timeout", 0, "timeout"),
+            ]:
+                resp = http.post("/v1/completions", json={**bad, field: value})
+                assert resp.status_code == 400, (field, resp.text)
+                assert word in resp.json()["error"]["message"]
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
+        assert finals[-1] == "length"
+    wait_idle(server.engine)
+
+
+def test_malformed_bodies_get_400(server):
+    auth = {**server.auth, "content-type": "application/json"}
+    resp = server.http.post("/v1/completions", content=b"[" * 100_000, headers=auth)
+    assert resp.status_code == 400 and "nested" in resp.json()["error"]["message"]
+    lone = b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % MODEL.encode()
+    resp = server.http.post("/v1/completions", content=lone, headers=auth)
+    assert resp.status_code == 400 and "tokenized" in resp.json()["error"]["message"]
+    # a temperature that used to underflow to infinities: greedy, the same text
+    kw = dict(model=MODEL, prompt="The sea", max_tokens=6)
+    greedy = server.client.completions.create(**kw, temperature=0).choices[0].text
+    tiny = server.client.completions.create(**kw, temperature=1e-40).choices[0].text
+    assert tiny == greedy and tiny
+    # a prompt longer than any tokenization could fit is refused before tokenizing
+    chars = server.app_server.max_prompt_chars + 1
+    resp = server.http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "a" * chars, "max_tokens": 1},
+        headers=server.auth,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    wait_idle(server.engine)
+
+
+def test_metrics_labels_come_from_a_fixed_set(server):
+    size = len(server.http.get("/metrics").text)
+    for i in range(200):  # unauthenticated calls to paths nobody serves
+        assert server.http.get(f"/v1/random-{i}").status_code in (401, 404)
+    text = server.http.get("/metrics").text
+    assert len(text) < size + 2000, "the metrics grew with the paths clients made up"
+    assert 'endpoint="other"' in text and "random-" not in text
+
+
+def test_browser_requests_are_refused(server):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    as_text = {**server.auth, "content-type": "text/plain"}
+    resp = server.http.post("/v1/completions", content=body, headers=as_text)
+    assert resp.status_code == 415 and "application/json" in resp.json()["error"]["message"]
+    evil = {**server.auth, "origin": "http://evil.example"}
+    resp = server.http.post(
+        "/v1/completions", content=body, headers={**evil, "content-type": "application/json"}
+    )
+    assert resp.status_code == 403 and "allowed-origins" in resp.json()["error"]["message"]
+
+
+def test_queue_bounds_answer_429(server):
+    engine = server.engine
+    config = engine.config
+    wait_idle(engine)
+    config.max_waiting_requests = 2
+    try:
+        with hold_engine(engine):  # the holding request itself is the first waiting one
+            with httpx.Client(base_url=server.base, headers=server.auth, timeout=60) as http:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+                with http.stream("POST", "/v1/completions", json=body) as queued:
+                    assert queued.status_code == 200
+                    resp = http.post("/v1/completions", json={**body, "stream": False})
+                    assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+                    assert resp.json()["error"]["code"] == "server_overloaded"
+                    engine_full = metric(
+                        server.http.get("/metrics").text, "cbgen_requests_rejected_total"
+                    )
+                    assert engine_full >= 1
+                    queued.close()
+    finally:
+        config.max_waiting_requests = None
+    wait_idle(engine)
+    # a server-wide cap on max_tokens
+    server.app_server.max_tokens_limit = 4
+    try:
+        resp = server.http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 5},
+            headers=server.auth,
+        )
+        assert resp.status_code == 400 and "at most 4" in resp.json()["error"]["message"]
+        r = server.client.chat.completions.create(  # no max_tokens: the cap is the default
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"ignore_eos": True},
+        )
+        assert r.usage.completion_tokens == 4
+    finally:
+        server.app_server.max_tokens_limit = None
 
 
 def test_cli_parses_serve():
@@ -446,3 +604,126 @@ def test_load_script_small():
     spec.loader.exec_module(module)
     smollm2_tokenizer()  # make sure the bundled tokenizer is converted (or skip)
     assert module.main(["--clients", "8", "--requests", "40", "--max-tokens", "24"]) == 0
+
+
+# -- lifecycle: drain, slow and half-open connections ---------------------------------------
+
+
+@contextlib.contextmanager
+def own_server(engine, tokenizer, **options):
+    """A key-less server of its own through ``make_server`` (drain, header timeout)."""
+    from cbgen.server.lifecycle import make_server
+
+    app_options = {k: options.pop(k) for k in ("allowed_origins",) if k in options}
+    app = create_app(engine, tokenizer, MODEL, **app_options)
+    uv = make_server(app, log_level="warning", **options)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    until(lambda: uv.started or not thread.is_alive(), "the server did not start")
+    assert thread.is_alive()
+    try:
+        yield SimpleNamespace(
+            uv=uv, thread=thread, port=sock.getsockname()[1], app_server=app.state.cbgen
+        )
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def spare_engine(server):
+    engine = Engine(
+        tiny_model(server.tokenizer),
+        server.tokenizer,
+        cbgen.EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
+        stream_timeout=0.5,
+    )
+    yield engine
+    engine.close()
+
+
+def test_sigterm_drains_then_ends_streams(server, spare_engine):
+    engine = spare_engine
+    with own_server(engine, server.tokenizer, drain_timeout=0.2) as srv:
+        base = f"http://127.0.0.1:{srv.port}"
+        with httpx.Client(base_url=base, timeout=60) as http:
+            assert http.get("/health").json()["status"] == "ok"
+            # without a key, only loopback Host names are served (DNS rebinding)
+            resp = http.get("/v1/models", headers={"host": "evil.example"})
+            assert resp.status_code == 403
+            with hold_engine(engine):  # the stream cannot finish while the drain runs
+                with http.stream("POST", "/v1/completions", json=long_body(True)) as resp:
+                    assert resp.status_code == 200
+                    srv.uv.handle_exit(signal.SIGTERM, None)
+                    until(lambda: srv.app_server.draining, "no drain")
+                    with httpx.Client(base_url=base, timeout=60) as other:
+                        assert other.get("/health").json()["status"] == "draining"
+                    events = [line for line in resp.iter_lines() if line]
+            assert events[-1] == "data: [DONE]"
+            assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+        srv.thread.join(30)
+        assert not srv.thread.is_alive(), "the server did not exit after the drain"
+    wait_idle(engine)
+
+
+def test_half_sent_connections_are_closed(server, spare_engine):
+    engine = spare_engine
+    with own_server(engine, server.tokenizer, header_timeout=0.2) as srv:
+        # a request head that never completes: the server hangs up
+        half = socket.create_connection(("127.0.0.1", srv.port))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        half.settimeout(60)
+        assert half.recv(1024) == b""
+        half.close()
+    wait_idle(engine)
+
+
+def test_a_stream_whose_writes_stall_is_closed(server, spare_engine):
+    """A client that stops reading fills the socket buffers and the server's writes wait;
+    past stream_timeout (0.5 s here) the stream is closed and its requests cancelled.
+    Driven at the ASGI level with a send that never returns once the stream has begun."""
+    engine = spare_engine
+    app = create_app(engine, server.tokenizer, MODEL)
+    app_server = app.state.cbgen
+    body = json.dumps({**long_body(True), "n": 4}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def main():
+        stalled = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client never disconnects
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                stalled.set()
+                await asyncio.Event().wait()  # a write that never goes through
+
+        await asyncio.wait_for(app(scope, receive, send), 60)  # a failure guard only
+        assert stalled.is_set()
+
+    before = metric(app_server.metrics.render().decode(), "cbgen_client_disconnects_total")
+    asyncio.run(main())
+    assert not app_server.jobs
+    after = metric(app_server.metrics.render().decode(), "cbgen_client_disconnects_total")
+    assert after == before + 1
+    wait_idle(engine)

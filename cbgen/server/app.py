@@ -448,6 +448,8 @@ class _Server:
         if task.cancelled():
             raise APIError(499, "The client closed the request.", code="client_closed_request")
         task.result()
+        if any(final is None for final in finals):  # ended by end_streams()
+            raise APIError(503, _SHUTDOWN_MESSAGE, type="server_error")
         for final in finals:
             if final.finish_reason is FinishReason.ERROR:
                 raise APIError(500, f"Generation failed: {final.error}", type="server_error")
@@ -505,6 +507,9 @@ class _Server:
                             "finish_reason": reason,
                         }
                     yield _sse({**head, "choices": [choice], **tail})
+                else:  # every delta read; not all finished if end_streams() cut it
+                    if not job.done and self.shutting_down:
+                        yield _sse(error_body(_SHUTDOWN_MESSAGE, "server_error"))
             if job.include_usage:
                 yield _sse({**head, "choices": [], "usage": job.usage()})
             yield "data: [DONE]\n\n"

@@ -8,6 +8,7 @@ import logging
 import os
 
 from ..config import EngineConfig
+from .guard import LOOPBACK_HOSTS
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
     )
+    limits = parser.add_argument_group("production limits (see the README)")
+    limits.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests added but not started before calls get 429 (default 1024)",
+    )
+    limits.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=1 << 20,
+        help="prompt tokens of those requests before calls get 429 (default 1048576)",
+    )
+    limits.add_argument(
+        "--max-tokens-limit", type=int, help="largest max_tokens a call may ask (default: context)"
+    )
+    limits.add_argument(
+        "--max-choices", type=int, default=128, help="prompts x n per call (default 128)"
+    )
+    limits.add_argument(
+        "--max-unread-tokens",
+        type=int,
+        default=4096,
+        help="tokens a stream may leave unread before its request is aborted (default 4096)",
+    )
+    limits.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may leave a stream unread before it is aborted (default 60)",
+    )
+    limits.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origins allowed to call the API (CORS); others get 403 (default: none)",
+    )
+    limits.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running calls get to finish after SIGTERM (default 30)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection gets to send its request head (default 10)",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="idle keep-alive seconds (default 5)"
+    )
+    limits.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="connections and tasks at once; 503 past it (default 1024)",
+    )
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -48,11 +108,11 @@ def _is_loopback(host: str) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
 
     from ..models import load_model
     from ..online import Engine
     from .app import create_app
+    from .lifecycle import make_server
 
     logging.getLogger("cbgen").setLevel(getattr(logging, args.log_level.upper()))
     if not _is_loopback(args.host) and not args.api_key:
@@ -68,23 +128,42 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting_requests=args.max_waiting_requests,
+        max_queued_tokens=args.max_queued_tokens,
     )
-    engine = Engine(model, tokenizer, config)
+    engine = Engine(
+        model,
+        tokenizer,
+        config,
+        max_unread_tokens=args.max_unread_tokens,
+        stream_timeout=args.stream_timeout,
+    )
     try:
+        allowed_hosts = None
+        if not args.api_key and not _is_loopback(args.host):
+            allowed_hosts = {args.host, *LOOPBACK_HOSTS}
         app = create_app(
             engine,
             tokenizer,
             args.served_model_name or args.model,
             api_key=args.api_key or None,
             max_body_bytes=args.max_body_bytes,
+            max_choices=args.max_choices,
+            max_tokens_limit=args.max_tokens_limit,
+            allowed_origins=args.allowed_origins,
+            allowed_hosts=allowed_hosts,
         )
-        uvicorn.run(
+        server = make_server(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            drain_timeout=args.drain_timeout,
+            header_timeout=args.header_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
+            limit_concurrency=args.limit_concurrency,
         )
+        server.run()
     finally:
         engine.close()
     return 0
