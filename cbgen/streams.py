@@ -144,7 +144,7 @@ class _StreamBase:
             open_requests = [s.request for s in group.sinks if not s.done]
             future = group.future
         if open_requests:
-            self._abandon(open_requests)  # a queue put: safe from a finalizer, any thread
+            self._abandon(open_requests)
         if future is not None and not future.done():  # a waiting coroutine ends its loop
             assert group.loop is not None
             try:
@@ -153,8 +153,14 @@ class _StreamBase:
                 pass
 
     def __del__(self) -> None:
+        # No lock here: a finalizer can run inside any thread's critical section (the
+        # cycle collector), even one holding the engine's lock. Abandoning a request that
+        # has finished meanwhile is a no-op for the loop, so reading ``done`` unlocked is safe.
         if not getattr(self, "_closed", True):
-            self.close()
+            self._closed = True
+            open_requests = [s.request for s in self._group.sinks if not s.done]
+            if open_requests:
+                self._abandon(open_requests)
 
 
 class RequestStream(_StreamBase, Iterator["OnlineRequestOutput"]):
