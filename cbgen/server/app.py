@@ -242,6 +242,8 @@ class _Server:
             raise APIError(400, f"The body is not valid JSON: {exc}") from None
         except RecursionError:
             raise APIError(400, "The body is not valid JSON: it is nested too deeply.") from None
+        except ValueError as exc:  # e.g. an integer past Python's 4,300-digit conversion limit
+            raise APIError(400, f"The body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise APIError(400, "The body must be a JSON object.")
         return data

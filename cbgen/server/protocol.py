@@ -22,8 +22,9 @@ class APIError(Exception):
         self,
         status: int,
         message: str,
-        type: str = "invalid_request_error",
         param: str | None = None,
+        *,
+        type: str = "invalid_request_error",
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
