@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -207,3 +209,27 @@ def run_until_done(engine, after_step=None) -> dict:
         if after_step is not None:
             after_step(steps)
     return results
+
+
+@contextlib.contextmanager
+def hold_engine(engine):
+    """Keep an online engine's loop thread inside a step until the block ends: a request
+    of the test's own whose logits processor waits. Everything else queues meanwhile, so
+    a test can act "while a request is still running" however fast the machine is."""
+    import cbgen
+
+    release, entered = threading.Event(), threading.Event()
+
+    def hold(token_ids, logits):
+        entered.set()
+        release.wait(120)
+        return logits
+
+    params = cbgen.SamplingParams(max_new_tokens=1, logits_processors=[hold])
+    rid = engine.add_request([5, 6, 7], params)
+    try:
+        assert entered.wait(60), "the engine never ran the holding request"
+        yield
+    finally:
+        release.set()
+        engine.get_result(rid, timeout=60)

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from conftest import random_prompts, reference_greedy
+from conftest import hold_engine, random_prompts, reference_greedy
 
 from cbgen import EngineConfig, SamplingParams
 from cbgen.online import Engine, EngineClosedError, EngineOverloadedError
@@ -148,7 +148,7 @@ def test_get_result_by_id_any_and_timeouts(llama):
         with pytest.raises(KeyError):
             engine.get_result("nope", timeout=0.02)
         long_id = engine.add_request([5, 6, 7], long_params(), request_id="long")
-        with pytest.raises(TimeoutError):
+        with hold_engine(engine), pytest.raises(TimeoutError):  # it cannot finish meanwhile
             engine.get_result(long_id, timeout=0.01)
         short = {engine.add_request([9, 9, i + 3], greedy(4)) for i in range(3)}
         got = {engine.get_result(timeout=30).request_id for _ in short}
@@ -425,7 +425,7 @@ def test_asyncio_streaming_and_results(llama):
         with pytest.raises(TimeoutError):
             await engine.get_result_async(timeout=0.02)
         slow = engine.add_request(prompts[2], long_params())
-        with pytest.raises(TimeoutError):
+        with hold_engine(engine), pytest.raises(TimeoutError):  # it cannot finish meanwhile
             await engine.get_result_async(slow, timeout=0.01)
         # Leaving an async stream early cancels the request.
         async for delta in engine.stream_async(slow):

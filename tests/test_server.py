@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from conftest import hold_engine
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -461,27 +462,6 @@ def until(condition, message, timeout=60.0):
     while not condition():
         assert time.monotonic() < deadline, message
         time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def hold_engine(engine):
-    """Keep the engine's loop thread inside a step until the block ends: a request of
-    the test's own whose logits processor waits. Everything else queues meanwhile."""
-    release, entered = threading.Event(), threading.Event()
-
-    def hold(token_ids, logits):
-        entered.set()
-        release.wait(120)
-        return logits
-
-    params = cbgen.SamplingParams(max_new_tokens=1, logits_processors=[hold])
-    rid = engine.add_request([5, 6, 7], params)
-    try:
-        assert entered.wait(60)
-        yield
-    finally:
-        release.set()
-        engine.get_result(rid, timeout=60)
 
 
 def test_a_bad_value_fails_alone(server):
