@@ -138,6 +138,7 @@ def serve(args: argparse.Namespace) -> int:
         max_unread_tokens=args.max_unread_tokens,
         stream_timeout=args.stream_timeout,
     )
+    app = None
     try:
         allowed_hosts = None
         if not args.api_key and not _is_loopback(args.host):
@@ -165,5 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         server.run()
     finally:
+        if app is not None:
+            app.state.cbgen.close()  # the tokenizer pool
         engine.close()
     return 0
