@@ -717,3 +717,43 @@ def test_a_stream_whose_writes_stall_is_closed(server, spare_engine):
     after = metric(app_server.metrics.render().decode(), "cbgen_client_disconnects_total")
     assert after == before + 1
     wait_idle(engine)
+
+
+class _SlowTokenizer:
+    """The real tokenizer, except that encoding waits until the test releases it."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.entered.set()
+        assert self.release.wait(60)
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_tokenizing_never_blocks_the_event_loop(server, spare_engine):
+    """A prompt being encoded (a 1 MB prompt took 1.6-2 s) must not freeze other clients."""
+    slow = _SlowTokenizer(server.tokenizer)
+    app = create_app(spare_engine, slow, MODEL)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    with uvicorn_in_thread(uv) as base, httpx.Client(base_url=base, timeout=60) as http:
+        result = {}
+        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2}
+        call = threading.Thread(
+            target=lambda: result.setdefault("r", http.post("/v1/completions", json=body))
+        )
+        call.start()
+        try:
+            assert slow.entered.wait(60)  # the call is inside the tokenizer now
+            with httpx.Client(base_url=base, timeout=60) as other:
+                assert other.get("/health").status_code == 200  # the loop still answers
+                assert other.get("/v1/models").status_code == 200
+        finally:
+            slow.release.set()
+            call.join(60)
+        assert result["r"].status_code == 200
+    wait_idle(spare_engine)
