@@ -668,6 +668,21 @@ def test_half_sent_connections_are_closed(server, spare_engine):
         half.settimeout(60)
         assert half.recv(1024) == b""
         half.close()
+    # a whole head, then a body that never comes: 408 once the body timeout passes
+    app = create_app(engine, server.tokenizer, MODEL, body_timeout=0.2)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    with uvicorn_in_thread(uv) as base:
+        slow = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"mo'
+        )
+        slow.settimeout(60)
+        answer = b""
+        while chunk := slow.recv(4096):  # the server closes the connection after it
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        slow.close()
     wait_idle(engine)
 
 

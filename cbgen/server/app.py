@@ -157,6 +157,7 @@ class _Server:
         max_choices: int,
         max_tokens_limit: int | None,
         tokenizer_threads: int,
+        body_timeout: float,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -165,6 +166,7 @@ class _Server:
         self.max_body_bytes = max_body_bytes
         self.max_choices = max_choices
         self.max_tokens_limit = max_tokens_limit
+        self.body_timeout = body_timeout
         self.max_model_len = engine.core.max_model_len
         self.max_prompt_chars = self.max_model_len * max_token_chars(tokenizer)
         self.metrics = ServerMetrics(engine, model_name)
@@ -220,20 +222,18 @@ class _Server:
             code="request_too_large",
         )
         declared = request.headers.get("content-length")
-        body = bytearray()
         oversized = declared is not None and declared.isdigit() and int(declared) > limit
-        drained = 0
-        async for chunk in request.stream():
-            if oversized:  # read the rest and drop it, so the client gets the 413 cleanly
-                drained += len(chunk)
-                if drained > _DRAIN_LIMIT:
-                    break
-                continue
-            body += chunk
-            if len(body) > limit:
-                oversized = True
-                drained = len(body)
-                body = bytearray()
+        try:
+            body, oversized = await asyncio.wait_for(
+                self._read_body(request, oversized), self.body_timeout
+            )
+        except asyncio.TimeoutError:
+            raise APIError(
+                408,
+                f"The request body did not arrive within {self.body_timeout:g} s.",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
         if oversized:
             raise too_big
         try:
@@ -247,6 +247,23 @@ class _Server:
         if not isinstance(data, dict):
             raise APIError(400, "The body must be a JSON object.")
         return data
+
+    async def _read_body(self, request: Request, oversized: bool) -> tuple[bytearray, bool]:
+        limit = self.max_body_bytes
+        body = bytearray()
+        drained = 0
+        async for chunk in request.stream():
+            if oversized:  # read the rest and drop it, so the client gets the 413 cleanly
+                drained += len(chunk)
+                if drained > _DRAIN_LIMIT:
+                    break
+                continue
+            body += chunk
+            if len(body) > limit:
+                oversized = True
+                drained = len(body)
+                body = bytearray()
+        return body, oversized
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -716,6 +733,7 @@ def create_app(
     allowed_origins: Collection[str] = (),
     allowed_hosts: Collection[str] | None = None,
     tokenizer_threads: int = 2,
+    body_timeout: float = 30.0,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (started here if it is not running).
 
@@ -726,6 +744,7 @@ def create_app(
     default when a call gives none). Browser requests: an ``Origin`` outside
     ``allowed_origins`` gets 403 (allowed ones get CORS headers); without an API key
     only ``Host`` names in ``allowed_hosts`` are served (default: loopback names).
+    A body that has not fully arrived ``body_timeout`` seconds after its head gets 408.
     The caller owns the engine and closes it after the server stops.
     """
     if tokenizer is None:
@@ -746,6 +765,7 @@ def create_app(
         max_choices,
         max_tokens_limit,
         tokenizer_threads,
+        body_timeout,
     )
     app = FastAPI(title="cbgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cbgen = server

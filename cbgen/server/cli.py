@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a connection gets to send its request head (default 10)",
     )
     limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body gets to arrive after its head; 408 past it (default 30)",
+    )
+    limits.add_argument(
         "--timeout-keep-alive", type=float, default=5.0, help="idle keep-alive seconds (default 5)"
     )
     limits.add_argument(
@@ -153,6 +159,7 @@ def serve(args: argparse.Namespace) -> int:
             max_tokens_limit=args.max_tokens_limit,
             allowed_origins=args.allowed_origins,
             allowed_hosts=allowed_hosts,
+            body_timeout=args.body_timeout,
         )
         server = make_server(
             app,
