@@ -137,3 +137,27 @@ def test_bundled_smollm2_16_chat_prompts(smollm2):
     assert sum(o.finish_reason == "eos" for o in outputs) + sum(
         o.finish_reason == "length" for o in outputs
     ) == len(outputs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_preemption_keeps_outputs_exact(llama, async_scheduling):
+    """Urgent requests arriving mid-run push running ones out; every output stays exact."""
+    prompts = random_prompts(5, 6, 20, seed=31)
+    expected = [reference_greedy(llama, p, 16) for p in prompts]
+    config = EngineConfig(
+        num_blocks=64, block_size=8, max_num_seqs=2, async_scheduling=async_scheduling
+    )
+    with EngineCore(llama, config) as engine:
+        for i in range(2):
+            engine.add_request(prompts[i], SamplingParams(max_new_tokens=16, priority=5), str(i))
+
+        def arrive(step):
+            if step == 3:
+                for i in range(2, 5):
+                    params = SamplingParams(max_new_tokens=16, priority=0)
+                    engine.add_request(prompts[i], params, str(i))
+
+        results = run_until_done(engine, after_step=arrive)
+        assert engine.stats["preemptions"] >= 1
+        assert engine.allocator.num_free == 64
+    assert [results[str(i)].token_ids for i in range(5)] == expected
