@@ -17,12 +17,17 @@ def test_bfloat16_model_runs_with_a_bfloat16_cache():
         model, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=32)
     ) as eng:
         assert all(layer.dtype == torch.bfloat16 for layer in eng.cache.layers)
-        for p in prompts:
-            eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))
-        done = []
+        for i, p in enumerate(prompts):
+            eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True), str(i))
+        done = {}
         while eng.has_unfinished():
-            done += [o for o in eng.step() if o.finished]
-    assert len(done) == 6 and all(len(o.token_ids) == 12 for o in done)
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+    # The cache held real K/V: each request's first token is the bfloat16 model's own
+    # next-token argmax on its prompt (chunked prefill through the paged cache included).
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            logits = model(torch.tensor([p])).logits[0, -1]
+            assert done[str(i)].token_ids[0] == int(logits.float().argmax()), f"prompt {i}"
 
 
 @pytest.mark.slow

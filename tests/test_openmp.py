@@ -48,11 +48,19 @@ def test_release_ends_the_calling_threads_workers_and_ops_still_run() -> None:
 
 
 def test_release_without_a_team_is_harmless() -> None:
+    seen: dict[str, object] = {}
+
     def body() -> None:
-        release_thread_team()
-        release_thread_team()
+        before = _thread_ids()
+        seen["first"] = release_thread_team()  # this thread never ran a parallel region
+        seen["second"] = release_thread_team()
+        seen["spawned"] = _thread_ids() - before - {str(threading.get_native_id())}
+        seen["sum"] = float((torch.ones(1 << 20) * 2).sum())  # a parallel op still works
 
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
-    assert float(torch.arange(10).sum()) == 45
+    expected = _pause_function() is not None  # False: no libgomp to ask, nothing done
+    assert seen["first"] is expected and seen["second"] is expected
+    assert seen["spawned"] == set()  # releasing started no thread
+    assert seen["sum"] == 2 * (1 << 20)
