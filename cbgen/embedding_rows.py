@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .prepack import file_mappings, unmodified_file_pages
+from .sysmem import file_mappings, unmodified_file_pages
 
 
 class FileRows:

@@ -24,8 +24,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Callable
+
+from .sysmem import loaded_library
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def _pause_function() -> Callable[[int], int] | None:
     (LLVM/Intel OpenMP, macOS, Windows, or a libgomp older than OpenMP 5.0)."""
     import torch  # noqa: F401  (loads the OpenMP runtime this looks for)
 
-    path = _loaded_library("libgomp")
+    path = loaded_library("libgomp")
     if path is None:
         return None
     try:
@@ -49,19 +50,6 @@ def _pause_function() -> Callable[[int], int] | None:
     function.argtypes = [ctypes.c_int]
     function.restype = ctypes.c_int
     return function
-
-
-def _loaded_library(name: str) -> str | None:
-    """The path of a shared library already mapped into this process, by name prefix."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(maxsplit=1)[-1]
-                if os.path.basename(path).startswith(name) and ".so" in path:
-                    return path
-    except OSError:
-        return None
-    return None
 
 
 def release_thread_team() -> bool:

@@ -28,11 +28,12 @@ import mmap
 import os
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .sysmem import file_mappings, unmodified_file_pages
 
 logger = logging.getLogger(__name__)
 
@@ -237,39 +238,6 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return function
 
 
-class FileMapping(NamedTuple):
-    """One memory-mapped file of this process: ``[start, end)`` maps ``path`` from ``offset``."""
-
-    start: int
-    end: int
-    offset: int
-    inode: int
-    path: str
-
-
-def file_mappings() -> list[FileMapping]:
-    """This process's memory-mapped files, from ``/proc/self/maps`` (Linux; empty elsewhere)."""
-    mappings = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.rstrip("\n").split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    start, end = fields[0].split("-")
-                    mappings.append(
-                        FileMapping(
-                            int(start, 16),
-                            int(end, 16),
-                            int(fields[2], 16),
-                            int(fields[4]),
-                            fields[5],
-                        )
-                    )
-    except OSError:
-        return []
-    return mappings
-
-
 def file_backed_ranges() -> list[tuple[int, int]]:
     """Address ranges of this process's memory-mapped files (Linux; empty elsewhere)."""
     return [(mapping.start, mapping.end) for mapping in file_mappings()]
@@ -308,26 +276,6 @@ def page_out(tensor: torch.Tensor, file_maps: list[tuple[int, int]]) -> int:
     if madvise(start, end - start, _MADV_DONTNEED) != 0:
         return 0
     return end - start
-
-
-def unmodified_file_pages(start: int, end: int, page: int) -> bool:
-    """Whether every resident page in [start, end) is still the file's own page.
-
-    ``/proc/self/pagemap`` has one 64-bit entry per page: bit 63 says present, bit 61
-    file-backed (a private copy made by a write is anonymous).
-    """
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            pagemap.seek(start // page * 8)
-            data = pagemap.read((end - start) // page * 8)
-    except OSError:
-        return False
-    if len(data) != (end - start) // page * 8:
-        return False
-    entries = torch.frombuffer(bytearray(data), dtype=torch.int64)
-    present = entries < 0  # bit 63
-    file_backed = ((entries >> 61) & 1).bool()
-    return bool((file_backed | ~present).all())
 
 
 def prepack_enabled_by_default(model: nn.Module) -> bool:

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
+from ..sysmem import cpu_name, meminfo_kib, proc_status_kib
 from . import metrics
 from .peers import PEERS, bundled_gguf
 from .systems import SYSTEMS
-from .worker import proc_status_kib
 from .workloads import Workload, bench_dir, build_workload, load_tokenizer, resolve_model
 
 DEFAULT_REPEATS = 3
@@ -151,28 +151,6 @@ def _split(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def _meminfo_kib(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -290,7 +268,7 @@ class Bench:
         self.out = args.out or bench_dir() / "results" / stamp
         self.started = _dt.datetime.now().isoformat(timespec="seconds")
         limit = args.max_rss_gib
-        available = _meminfo_kib("MemAvailable")
+        available = meminfo_kib("MemAvailable")
         self.max_rss_kib = (
             int(limit * 2**20) if limit else int(0.9 * available) if available else None
         )
@@ -464,7 +442,7 @@ class Bench:
         }[isolation]
         return {
             "started": self.started,
-            "cpu": _cpu_name(),
+            "cpu": cpu_name(),
             "cpus": self.cpus,
             "threads": self.threads,
             "model": self.args.model,

@@ -23,20 +23,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..sysmem import proc_status_kib
+
 WARMUP_PROMPTS = 4
 WARMUP_TOKENS = 8
-
-
-def proc_status_kib(field: str, pid: int | str = "self") -> int | None:
-    """A ``/proc/<pid>/status`` memory field (``VmRSS``, ``VmHWM``) in KiB, if readable."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def _quiet_transformers() -> None:

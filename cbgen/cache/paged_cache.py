@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..sysmem import meminfo_kib
+
 if TYPE_CHECKING:
     from .groups import CacheGroup
 
@@ -53,14 +55,8 @@ def default_cache_budget(device: torch.device) -> int:
 
 
 def _available_host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+    available = meminfo_kib("MemAvailable")
+    return 4 << 30 if available is None else available * 1024
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

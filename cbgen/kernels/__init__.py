@@ -27,6 +27,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from ..sysmem import cpu_signature
+
 logger = logging.getLogger(__name__)
 
 # Compiled into one extension module; bindings.cpp declares what Python sees.
@@ -90,24 +92,5 @@ def machine_key() -> str:
     """A short hash of what a ``-march=native`` binary depends on: CPU, flags, torch."""
     import torch
 
-    parts = [platform.machine(), torch.__version__, " ".join(compile_flags()), _cpu_signature()]
+    parts = [platform.machine(), torch.__version__, " ".join(compile_flags()), cpu_signature()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def _cpu_signature() -> str:
-    """The CPU's model name and feature flags (Linux), else what ``platform`` knows."""
-    wanted = ("model name", "flags", "features", "cpu model", "isa")
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = []
-            for line in f:
-                key = line.split(":", 1)[0].strip().lower()
-                if key in wanted and line not in lines:
-                    lines.append(line)
-                elif not line.strip() and lines:
-                    break  # the first processor's entry is enough
-            if lines:
-                return "".join(lines)
-    except OSError:
-        pass
-    return platform.processor() or platform.platform()
