@@ -17,6 +17,7 @@ from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budg
 from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .cache.swap import SwapSpace
 from .config import EngineConfig
+from .input_processor import InputProcessor
 from .kernels import decode_kernel
 from .openmp import release_thread_team
 from .output import OutputProcessor, PendingSamples
@@ -114,6 +115,7 @@ class EngineCore:
         self.max_model_len = model_limit if cache_limit is None else min(model_limit, cache_limit)
         self.output_processor = OutputProcessor(_model_eos_ids(model), self.max_model_len)
         self.vocab_size = self.runner.vocab_size
+        self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
         self._requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -143,7 +145,7 @@ class EngineCore:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r}: this id is already in use")
-        prompt = self._validate(request_id, prompt_token_ids, params)
+        prompt = self.input_processor.validate(request_id, prompt_token_ids, params)
         if params.n != 1:
             raise ValueError(
                 f"request {request_id!r}: n={params.n} samples need cbgen.generate_batch; "
@@ -155,39 +157,6 @@ class EngineCore:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
-
-    def _validate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> list[int]:
-        def fail(message: str) -> ValueError:
-            return ValueError(f"request {request_id!r}: {message}")
-
-        if not isinstance(params, SamplingParams):
-            raise fail(f"params must be SamplingParams, got {type(params).__name__}")
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise fail(str(exc)) from None
-        if params.top_k > self.vocab_size:
-            raise fail(
-                f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}"
-            )
-        if isinstance(prompt_token_ids, torch.Tensor):
-            prompt_token_ids = prompt_token_ids.flatten().tolist()
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise fail("the prompt is empty")
-        for token in prompt:
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise fail(f"token ids must be ints, got {token!r}")
-            if not 0 <= token < self.vocab_size:
-                raise fail(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise fail(
-                f"the prompt has {len(prompt)} tokens but the context limit is "
-                f"{self.max_model_len} (room for at least one new token is needed)"
-            )
-        return prompt
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks come back at once. False if it is unknown or done."""

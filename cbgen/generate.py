@@ -12,8 +12,9 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine import EngineCore
+from .input_processor import fan_out
 from .request import Completion, FinishReason, RequestOutput
-from .sampling import SamplingParams, sample_seed
+from .sampling import SamplingParams
 
 
 def generate_batch(
@@ -49,7 +50,7 @@ def generate_batch(
         ):
             added: list[str] = []
             try:
-                per_sample = _sample_params(str(index), request_params)
+                per_sample = fan_out(str(index), request_params)
                 for i, sample_params in enumerate(per_sample):
                     request_id = str(index) if len(per_sample) == 1 else f"{index}.{i}"
                     engine.add_request(prompt, sample_params, request_id=request_id)
@@ -82,19 +83,6 @@ def generate_batch(
         ]
         outputs[index] = dataclasses.replace(first, request_id=str(index), completions=completions)
     return outputs  # type: ignore[return-value]
-
-
-def _sample_params(request_id: str, params: Any) -> list[Any]:
-    """One ``SamplingParams`` per sample of a prompt (``n`` of them, seeds ``seed + i``)."""
-    if not isinstance(params, SamplingParams) or params.n == 1:
-        return [params]  # the engine validates (and names) anything wrong
-    try:
-        params.validate()
-    except ValueError as exc:
-        raise ValueError(f"request {request_id!r}: {exc}") from None
-    return [
-        dataclasses.replace(params, n=1, seed=sample_seed(params.seed, i)) for i in range(params.n)
-    ]
 
 
 def _run(

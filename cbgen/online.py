@@ -411,7 +411,7 @@ class Engine:
 
     def _validate(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         # The core's own rules; they read only immutable settings, so any thread may run them.
-        prompt_ids = self.core._validate(rid, prompt, params)
+        prompt_ids = self.core.input_processor.validate(rid, prompt, params)
         if params.n != 1:
             raise ValueError(
                 f"request {rid!r}: n={params.n} samples are not supported online; "

@@ -34,9 +34,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from ..input_processor import fan_out
 from ..online import Engine, EngineClosedError, EngineOverloadedError, OnlineRequestOutput
 from ..request import FinishReason
-from ..sampling import SamplingParams, sample_seed
+from ..sampling import SamplingParams
 from .guard import LOOPBACK_HOSTS, APIGuard
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -371,13 +372,10 @@ class _Server:
         """Add one engine request per choice and attach their stream (all or nothing)."""
         engine = self.engine
         try:
-            for p, (prompt, base) in enumerate(zip(prompts, params, strict=True)):
-                for i in range(job.n):
-                    sample = base
-                    if base.seed is not None and i:
-                        sample = dataclasses.replace(base, seed=sample_seed(base.seed, i))
+            for prompt, base in zip(prompts, params, strict=True):
+                for sample in fan_out(job.id, dataclasses.replace(base, n=job.n)):
                     rid = engine.add_request(
-                        prompt, sample, f"{job.id}-{p * job.n + i}", stop=stop, timeout=job.timeout
+                        prompt, sample, f"{job.id}-{len(job.rids)}", stop=stop, timeout=job.timeout
                     )
                     job.rids.append(rid)
             job.choices = engine.stream_many_async(job.rids)
