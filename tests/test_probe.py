@@ -113,3 +113,34 @@ def test_probed_layouts_generate_exactly(source):
     config = EngineConfig(block_size=4, num_blocks=96, max_batch_tokens=16)
     outputs = cbgen.generate_batch(model, prompts, SamplingParams(max_new_tokens=20), config)
     assert [o.token_ids for o in outputs] == expected
+
+
+def test_tensor_layout_shares_tensors_across_groups_only():
+    import torch
+
+    from cbgen.cache.groups import AttentionKind, CacheGroup, tensor_layout
+    from cbgen.cache.paged_cache import LayerSpec
+
+    full = LayerSpec(2, 16, 16, torch.float32)
+    window = LayerSpec(2, 16, 16, torch.float32, sliding_window=8)
+    wide = LayerSpec(4, 16, 16, torch.float32, sliding_window=8)
+    layers = [full, window, window, full, wide]
+    # one group (or none): one tensor per layer
+    assert tensor_layout(layers, None) == ([0, 1, 2, 3, 4], layers)
+    groups = [
+        CacheGroup(0, AttentionKind.FULL, (0, 3)),
+        CacheGroup(1, AttentionKind.SLIDING_WINDOW, (1, 2), window=8),
+        CacheGroup(2, AttentionKind.SLIDING_WINDOW, (4,), window=8),
+    ]
+    tensor_of_layer, tensors = tensor_layout(layers, groups)
+    # group 1 reuses group 0's two tensors (same shape); the wide layer needs its own
+    assert tensor_of_layer[0] != tensor_of_layer[3]  # layers of one group never share
+    assert {tensor_of_layer[1], tensor_of_layer[2]} == {tensor_of_layer[0], tensor_of_layer[3]}
+    assert tensor_of_layer[4] not in tensor_of_layer[:4] and len(tensors) == 3
+    for layer, t in enumerate(tensor_of_layer):
+        spec = tensors[t]
+        assert (spec.num_kv_heads, spec.key_dim, spec.value_dim) == (
+            layers[layer].num_kv_heads,
+            layers[layer].key_dim,
+            layers[layer].value_dim,
+        )
