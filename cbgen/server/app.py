@@ -52,6 +52,7 @@ from .protocol import (
     finish_reason_name,
     parse,
 )
+from .responses import ResponseShape, TimedStreamingResponse, sse
 
 logger = logging.getLogger(__name__)
 
@@ -109,42 +110,11 @@ class _Job:
         }
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 def _strip_request_prefix(message: str) -> str:
     # The engine's messages start with "request 'id': "; the id means nothing to the client.
     if message.startswith("request '") and "': " in message:
         return message.split("': ", 1)[1]
     return message
-
-
-class _TimedStreamingResponse(StreamingResponse):
-    """A streaming response whose every write must go through within ``send_timeout``
-    seconds: a client that stops reading fills its socket buffers, the write then
-    waits, and past the timeout the stream is closed (its requests cancelled, counted
-    as a disconnect) instead of holding the connection and its requests forever."""
-
-    def __init__(self, *args: Any, send_timeout: float | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.send_timeout = send_timeout
-
-    async def stream_response(self, send: Any) -> None:
-        if self.send_timeout is None:
-            await super().stream_response(send)
-            return
-        timeout = self.send_timeout
-
-        async def timed_send(message: Any) -> None:
-            await asyncio.wait_for(send(message), timeout)
-
-        try:
-            await super().stream_response(timed_send)
-        except asyncio.TimeoutError:  # the body's GeneratorExit counts the disconnect
-            body = self.body_iterator
-            if hasattr(body, "aclose"):
-                await body.aclose()
 
 
 class _Server:
@@ -476,59 +446,33 @@ class _Server:
 
     async def sse(self, job: _Job) -> AsyncIterator[str]:
         """The server-sent events of a streamed call, ending with ``data: [DONE]``."""
-        chat = job.kind == "chat"
-        head = {
-            "id": job.id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": job.created,
-            "model": self.model_name,
-        }
-        if chat:
-            head["system_fingerprint"] = None
+        shape = self.shape(job)
+        head = shape.chunk_head()
         tail = {"usage": None} if job.include_usage else {}
         try:
-            if chat:
+            if shape.chat:
                 for index in range(len(job.rids)):
-                    choice = {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    yield _sse({**head, "choices": [choice], **tail})
+                    yield sse({**head, "choices": [shape.role_choice(index)], **tail})
             async with contextlib.aclosing(self.deltas(job)) as deltas:
                 async for index, delta in deltas:
                     if delta.finish_reason is FinishReason.ERROR:
                         message = f"Generation failed: {delta.error}"
-                        yield _sse(error_body(message, "server_error"))
+                        yield sse(error_body(message, "server_error"))
                         break
                     if self.shutting_down and delta.finish_reason is FinishReason.ABORTED:
-                        yield _sse(error_body(_SHUTDOWN_MESSAGE, "server_error"))
+                        yield sse(error_body(_SHUTDOWN_MESSAGE, "server_error"))
                         break
                     text = delta.new_text or ""
                     if not text and not delta.finished:
                         continue
                     reason = finish_reason_name(delta.finish_reason) if delta.finished else None
-                    if chat:
-                        choice = {
-                            "index": index,
-                            "delta": {"content": text} if text else {},
-                            "logprobs": None,
-                            "finish_reason": reason,
-                        }
-                    else:
-                        choice = {
-                            "index": index,
-                            "text": text,
-                            "logprobs": None,
-                            "finish_reason": reason,
-                        }
-                    yield _sse({**head, "choices": [choice], **tail})
+                    choice = shape.chunk_choice(index, text, reason)
+                    yield sse({**head, "choices": [choice], **tail})
                 else:  # every delta read; not all finished if end_streams() cut it
                     if not job.done and self.shutting_down:
-                        yield _sse(error_body(_SHUTDOWN_MESSAGE, "server_error"))
+                        yield sse(error_body(_SHUTDOWN_MESSAGE, "server_error"))
             if job.include_usage:
-                yield _sse({**head, "choices": [], "usage": job.usage()})
+                yield sse({**head, "choices": [], "usage": job.usage()})
             yield "data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             self.metrics.disconnects.inc()
@@ -539,7 +483,7 @@ class _Server:
 
     def stream_response(self, job: _Job) -> StreamingResponse:
         # The background task also cancels a job whose stream never started (client gone).
-        return _TimedStreamingResponse(
+        return TimedStreamingResponse(
             self.sse(job),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -563,27 +507,7 @@ class _Server:
             for p in prompts
         ]
         job = _Job("completion", n, bool(req.stream), include_usage, t0, req.timeout)
-        self.start(job, prompts, params, stop)
-        if job.stream:
-            return self.stream_response(job)
-        finals = await self.collect(job, request)
-        return {
-            "id": job.id,
-            "object": "text_completion",
-            "created": job.created,
-            "model": self.model_name,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": index,
-                    "text": final.text or "",
-                    "logprobs": None,
-                    "finish_reason": finish_reason_name(final.finish_reason),
-                }
-                for index, final in enumerate(finals)
-            ],
-            "usage": job.usage(),
-        }
+        return await self.run(job, request, prompts, params, stop)
 
     async def chat_completions(self, request: Request) -> Any:
         t0 = time.perf_counter()
@@ -601,27 +525,25 @@ class _Server:
             max_tokens = req.max_tokens
         params = [self.sampling(req, len(prompt), max_tokens, None)]
         job = _Job("chat", n, bool(req.stream), include_usage, t0, req.timeout)
-        self.start(job, [prompt], params, stop)
+        return await self.run(job, request, [prompt], params, stop)
+
+    async def run(
+        self,
+        job: _Job,
+        request: Request,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        stop: list[str] | None,
+    ) -> Any:
+        """Start the call's requests; stream them, or gather them into one response."""
+        self.start(job, prompts, params, stop)
         if job.stream:
             return self.stream_response(job)
         finals = await self.collect(job, request)
-        return {
-            "id": job.id,
-            "object": "chat.completion",
-            "created": job.created,
-            "model": self.model_name,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": final.text or ""},
-                    "logprobs": None,
-                    "finish_reason": finish_reason_name(final.finish_reason),
-                }
-                for index, final in enumerate(finals)
-            ],
-            "usage": job.usage(),
-        }
+        return self.shape(job).response(finals, job.usage())
+
+    def shape(self, job: _Job) -> ResponseShape:
+        return ResponseShape(job.kind == "chat", job.id, job.created, self.model_name)
 
     def include_usage(self, req: Any) -> bool:
         if req.stream_options is None:

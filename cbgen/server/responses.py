@@ -1,0 +1,104 @@
+"""OpenAI's response shapes, written once for completions and chat: the plain response,
+the server-sent event chunks, and the streaming response that gives up on a client that
+stopped reading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from .protocol import finish_reason_name
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class ResponseShape:
+    """The fields that differ between a completion and a chat completion, in one place."""
+
+    def __init__(self, chat: bool, call_id: str, created: int, model: str) -> None:
+        self.chat = chat
+        self.call_id = call_id
+        self.created = created
+        self.model = model
+
+    def chunk_head(self) -> dict[str, Any]:
+        head: dict[str, Any] = {
+            "id": self.call_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
+        if self.chat:
+            head["system_fingerprint"] = None
+        return head
+
+    def chunk_choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
+        """A streamed choice: what ``text`` adds, and the finish reason on the last one."""
+        if self.chat:
+            content = {"content": text} if text else {}
+            return {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+    def role_choice(self, index: int) -> dict[str, Any]:
+        """The first chunk of every chat choice, which names the role."""
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def response(self, finals: list[Any], usage: dict[str, int]) -> dict[str, Any]:
+        """The whole answer of a call that was not streamed."""
+        choices = []
+        for index, final in enumerate(finals):
+            reason = finish_reason_name(final.finish_reason)
+            text = final.text or ""
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                choice = {"index": index, "message": message}
+            else:
+                choice = {"index": index, "text": text}
+            choices.append({**choice, "logprobs": None, "finish_reason": reason})
+        return {
+            "id": self.call_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage,
+        }
+
+
+class TimedStreamingResponse(StreamingResponse):
+    """A streaming response whose every write must go through within ``send_timeout``
+    seconds: a client that stops reading fills its socket buffers, the write then
+    waits, and past the timeout the stream is closed (its requests cancelled, counted
+    as a disconnect) instead of holding the connection and its requests forever."""
+
+    def __init__(self, *args: Any, send_timeout: float | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send: Any) -> None:
+        if self.send_timeout is None:
+            await super().stream_response(send)
+            return
+        timeout = self.send_timeout
+
+        async def timed_send(message: Any) -> None:
+            await asyncio.wait_for(send(message), timeout)
+
+        try:
+            await super().stream_response(timed_send)
+        except asyncio.TimeoutError:  # the body's GeneratorExit counts the disconnect
+            body = self.body_iterator
+            if hasattr(body, "aclose"):
+                await body.aclose()
