@@ -65,6 +65,7 @@ from .streams import (
     SinkGroup,
     resolve_all,
 )
+from .waiters import AsyncWaiter, ThreadWaiter, Waiter, wait
 
 logger = logging.getLogger(__name__)
 
@@ -155,56 +156,11 @@ class _Request:
         self.final: OnlineRequestOutput | None = None
         self.sink: Sink | None = None  # the stream that follows it
         self.streamed = False  # a stream attached at some point
-        self.waiters: list[_Waiter] = []  # get_result(request_id) callers
+        self.waiters: list[Waiter] = []  # get_result(request_id) callers
 
     @property
     def text(self) -> str | None:
         return None if self.pieces is None else "".join(self.pieces)
-
-
-class _Waiter:
-    __slots__ = ("woken",)
-
-    def __init__(self) -> None:
-        self.woken = False
-
-    def wake(self) -> bool:
-        raise NotImplementedError
-
-
-class _ThreadWaiter(_Waiter):
-    __slots__ = ("event",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.event = threading.Event()
-
-    def wake(self) -> bool:
-        self.woken = True
-        self.event.set()
-        return True
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-class _AsyncWaiter(_Waiter):
-    __slots__ = ("loop", "future")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        self.loop = loop
-        self.future: asyncio.Future = loop.create_future()
-
-    def wake(self) -> bool:
-        self.woken = True
-        try:
-            self.loop.call_soon_threadsafe(_resolve, self.future)
-        except RuntimeError:  # its event loop is closed: nobody is listening
-            return False
-        return True
 
 
 class Engine:
@@ -256,7 +212,7 @@ class Engine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._registry: dict[str, _Request] = {}  # added, not yet collected or dropped
         self._store: OrderedDict[str, OnlineRequestOutput] = OrderedDict()  # unclaimed results
-        self._any_waiters: OrderedDict[_Waiter, None] = OrderedDict()  # get_result() callers
+        self._any_waiters: OrderedDict[Waiter, None] = OrderedDict()  # get_result() callers
         self._active: dict[str, _Request] = {}  # loop only: requests inside the core
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -468,7 +424,7 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         if request_id is not None:
             return self._get_one(request_id, deadline)
-        waiter: _ThreadWaiter | None = None
+        waiter: ThreadWaiter | None = None
         while True:
             with self._lock:
                 if waiter is not None and not waiter.woken:
@@ -480,7 +436,7 @@ class Engine:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("no request finished in time")
-                waiter = _ThreadWaiter()
+                waiter = ThreadWaiter()
                 self._any_waiters[waiter] = None
             waiter.event.wait(remaining)
 
@@ -489,7 +445,7 @@ class Engine:
             request = self._lookup(request_id)
             if request.final is not None:
                 return self._collect(request)
-            waiter = _ThreadWaiter()
+            waiter = ThreadWaiter()
             request.waiters.append(waiter)
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         waiter.event.wait(remaining)
@@ -510,10 +466,10 @@ class Engine:
                 request = self._lookup(request_id)
                 if request.final is not None:
                     return self._collect(request)
-                waiter = _AsyncWaiter(loop)
+                waiter = AsyncWaiter(loop)
                 request.waiters.append(waiter)
             try:
-                await _wait(waiter.future, deadline, loop)
+                await wait(waiter.future, deadline, loop)
             except TimeoutError:
                 pass
             except BaseException:
@@ -526,7 +482,7 @@ class Engine:
                     return self._collect(request)
                 request.waiters.remove(waiter)
             raise TimeoutError(f"request {request_id!r} did not finish in time")
-        any_waiter: _AsyncWaiter | None = None
+        any_waiter: AsyncWaiter | None = None
         while True:
             with self._lock:
                 if any_waiter is not None and not any_waiter.woken:
@@ -537,10 +493,10 @@ class Engine:
                     raise EngineClosedError(self._closed_reason())
                 if deadline is not None and deadline <= loop.time():
                     raise TimeoutError("no request finished in time")
-                any_waiter = _AsyncWaiter(loop)
+                any_waiter = AsyncWaiter(loop)
                 self._any_waiters[any_waiter] = None
             try:
-                await _wait(any_waiter.future, deadline, loop)
+                await wait(any_waiter.future, deadline, loop)
             except TimeoutError:
                 continue
             except BaseException:
@@ -939,15 +895,3 @@ class Engine:
                 arg.set()
         with contextlib.suppress(Exception):  # a broken core keeps its last snapshot
             self._publish_snapshot()
-
-
-async def _wait(
-    future: asyncio.Future, deadline: float | None, loop: asyncio.AbstractEventLoop
-) -> None:
-    if deadline is None:
-        await future
-        return
-    try:
-        await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
-    except asyncio.TimeoutError:
-        raise TimeoutError("timed out") from None
