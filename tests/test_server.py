@@ -772,3 +772,32 @@ def test_tokenizing_never_blocks_the_event_loop(server, spare_engine):
             call.join(60)
         assert result["r"].status_code == 200
     wait_idle(spare_engine)
+
+
+def test_a_wide_call_yields_to_a_small_one(server):
+    """An n=8 call used to hold every slot until it finished (a 3-token call waited past
+    90 s behind n=128 x 1,500 tokens); its choices past the fair share now run one priority
+    lower, so the small call preempts one of them and starts at once."""
+    engine = Engine(
+        tiny_model(server.tokenizer),
+        server.tokenizer,
+        # room for every choice: any preemption is for priority, not for memory
+        cbgen.EngineConfig(num_blocks=256, block_size=BLOCK_SIZE, max_num_seqs=4),
+    )
+    app = create_app(engine, server.tokenizer, MODEL, fair_share_choices=2)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    try:
+        with uvicorn_in_thread(uv) as base, httpx.Client(base_url=base, timeout=60) as http:
+            wide = {**long_body(True), "n": 8, "max_tokens": 300}
+            with http.stream("POST", "/v1/completions", json=wide) as resp:
+                lines = resp.iter_lines()
+                next(lines)  # it runs: four choices hold all four slots
+                small = {"model": MODEL, "prompt": "Quick", "max_tokens": 3, "ignore_eos": True}
+                r = http.post("/v1/completions", json=small)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+                # it did not wait for a slot: it preempted one of the wide call's choices
+                assert engine.core.stats["preemptions"] >= 1
+                assert len(app.state.cbgen.jobs) == 1  # the wide call still runs
+        wait_idle(engine)
+    finally:
+        engine.close()

@@ -129,6 +129,7 @@ class _Server:
         max_tokens_limit: int | None,
         tokenizer_threads: int,
         body_timeout: float,
+        fair_share_choices: int,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -138,6 +139,7 @@ class _Server:
         self.max_choices = max_choices
         self.max_tokens_limit = max_tokens_limit
         self.body_timeout = body_timeout
+        self.fair_share_choices = fair_share_choices
         self.max_model_len = engine.core.max_model_len
         self.max_prompt_chars = self.max_model_len * max_token_chars(tokenizer)
         self.metrics = ServerMetrics(engine, model_name)
@@ -344,6 +346,8 @@ class _Server:
         try:
             for prompt, base in zip(prompts, params, strict=True):
                 for sample in fan_out(job.id, dataclasses.replace(base, n=job.n)):
+                    if len(job.rids) >= self.fair_share_choices:  # a wide call yields
+                        sample = dataclasses.replace(sample, priority=sample.priority + 1)
                     rid = engine.add_request(
                         prompt, sample, f"{job.id}-{len(job.rids)}", stop=stop, timeout=job.timeout
                     )
@@ -654,6 +658,7 @@ def create_app(
     allowed_hosts: Collection[str] | None = None,
     tokenizer_threads: int = 2,
     body_timeout: float = 30.0,
+    fair_share_choices: int = 8,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (started here if it is not running).
 
@@ -665,6 +670,9 @@ def create_app(
     ``allowed_origins`` gets 403 (allowed ones get CORS headers); without an API key
     only ``Host`` names in ``allowed_hosts`` are served (default: loopback names).
     A body that has not fully arrived ``body_timeout`` seconds after its head gets 408.
+    The choices of one call past its first ``fair_share_choices`` (prompts × ``n``) run
+    one priority lower, so a wide call yields slots to other calls (a waiting request of
+    higher priority preempts running ones) instead of starving them.
     The caller owns the engine and closes it after the server stops.
     """
     if tokenizer is None:
@@ -686,6 +694,7 @@ def create_app(
         max_tokens_limit,
         tokenizer_threads,
         body_timeout,
+        fair_share_choices,
     )
     app = FastAPI(title="cbgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cbgen = server

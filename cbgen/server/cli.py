@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a connection gets to send its request head (default 10)",
     )
     limits.add_argument(
+        "--fair-share-choices",
+        type=int,
+        default=8,
+        help="choices of one call past this many run one priority lower (default 8)",
+    )
+    limits.add_argument(
         "--body-timeout",
         type=float,
         default=30.0,
@@ -160,6 +166,7 @@ def serve(args: argparse.Namespace) -> int:
             allowed_origins=args.allowed_origins,
             allowed_hosts=allowed_hosts,
             body_timeout=args.body_timeout,
+            fair_share_choices=args.fair_share_choices,
         )
         server = make_server(
             app,
