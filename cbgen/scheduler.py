@@ -298,7 +298,9 @@ class Scheduler:
             room = self.allocator.num_free - len(self.running)
             if len(self.running) < self.max_num_seqs and needed <= room:
                 break
-            self._preempt(victim, out)
+            # Recomputed, never swapped: a swapped request resumes before waiting ones
+            # start, so it would come straight back in this very step.
+            self._preempt(victim, out, allow_swap=False)
             count += 1
         return count
 
@@ -554,9 +556,9 @@ class Scheduler:
         self._grow(request, num_tokens)
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, allow_swap: bool = True) -> None:
         self.running.remove(request)
-        swapped = self._swap_out(request, out)
+        swapped = allow_swap and self._swap_out(request, out)
         self._release(request)
         request.num_preemptions += 1
         if swapped:  # keeps num_computed_tokens: its K/V comes back with it

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from cbgen.cache.allocator import BlockAllocator
@@ -151,6 +151,21 @@ def workloads(draw):
     swap_blocks=st.sampled_from([0, 0, 3, 64]),
     async_steps=st.booleans(),
     admission=st.sampled_from(["eager", "full_length"]),
+)
+@example(  # a priority victim swapped out, then resumed in the same step: stale K/V
+    requests=[([3, 3, 3, 3], 1, 4, 0)]
+    + [([3, 3, 3, 3], 1, 0, 0)] * 3
+    + [([3, 3, 3, 3], 4, 0, 1)]
+    + [([3, 3, 3, 3], 1, 0, 0)] * 6,
+    policy="fifo",
+    caching=True,
+    block_size=1,
+    extra_blocks=0,
+    max_batch_tokens=4,
+    max_num_seqs=5,
+    swap_blocks=64,
+    async_steps=True,
+    admission="eager",
 )
 def test_every_request_finishes_without_leaks(
     requests,
