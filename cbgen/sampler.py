@@ -60,17 +60,19 @@ class Sampler:
         else:
             tokens = torch.argmax(logits, dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        rows = selected = None
         if sampled_rows:
             rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+            selected = logits.index_select(0, rows)
             drawn = self._sample_isolated(
-                logits.index_select(0, rows),
+                selected,
                 [params[i] for i in sampled_rows],
                 [generators[i] for i in sampled_rows],
                 sampled_rows,
                 errors,
             )
             tokens.index_copy_(0, rows, drawn)
-        _check_finite(logits, tokens, sampled_rows, errors)
+        _check_finite(logits, tokens, rows, selected, errors)
         return SamplerOutput(tokens.tolist(), errors, tokens)
 
     def _uniforms(
@@ -174,19 +176,23 @@ def _apply_processors(
 
 
 def _check_finite(
-    logits: torch.Tensor, tokens: torch.Tensor, sampled_rows: list[int], errors: dict[int, str]
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    rows: torch.Tensor | None,
+    selected: torch.Tensor | None,
+    errors: dict[int, str],
 ) -> None:
     """Report rows whose logits hold no usable number (a NaN, or no finite maximum).
 
     For greedy rows the chosen token's logit tells: argmax picks the first NaN when there
     is one (torch's rule and the native kernel's), and a row of infinities gives an
     infinite choice. A sampled row's NaN makes its whole softmax NaN and its draw
-    arbitrary, so its maximum is checked instead (which propagates NaN).
+    arbitrary, so its maximum is checked instead (which propagates NaN). ``rows`` are the
+    sampled rows and ``selected`` their logits, already gathered for sampling.
     """
     values = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
-        values = values.index_copy(0, rows, logits.index_select(0, rows).amax(dim=-1))
+    if rows is not None and selected is not None:
+        values = values.index_copy(0, rows, selected.amax(dim=-1))
     bad = ~torch.isfinite(values)
     if not bool(bad.any()):
         return
