@@ -137,7 +137,6 @@ class _Request:
         "queued",
         "final",
         "sink",
-        "streamed",
         "waiters",
     )
 
@@ -154,8 +153,9 @@ class _Request:
         self.pieces: list[str] | None = None  # the text published so far, in pieces
         self.queued = True  # added, no token published yet (counts against the queue bounds)
         self.final: OnlineRequestOutput | None = None
-        self.sink: Sink | None = None  # the stream that follows it
-        self.streamed = False  # a stream attached at some point
+        # The stream that follows it. A finished request leaves the registry, so no
+        # second stream can attach to it once this is cleared.
+        self.sink: Sink | None = None
         self.waiters: list[Waiter] = []  # get_result(request_id) callers
 
     @property
@@ -542,14 +542,13 @@ class Engine:
         with self._lock:
             requests = [self._lookup(rid) for rid in request_ids]
             for request in requests:
-                if request.streamed:
+                if request.sink is not None:
                     raise ValueError(f"request {request.request_id!r} is already being streamed")
             if len({id(r) for r in requests}) != len(requests):
                 raise ValueError("a request can be streamed only once")
             wakes: list[SinkGroup] = []
             for request in requests:
                 sink = group.add(request)
-                request.streamed = True
                 final = request.final
                 if final is not None:  # finished, unclaimed: the stream gets it all at once
                     self._collect(request)
