@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .waiters import resolve
+
 if TYPE_CHECKING:
     from .online import OnlineRequestOutput
 
@@ -111,9 +113,9 @@ class SinkGroup:
 
 
 def resolve_all(futures: list[asyncio.Future]) -> None:
+    """Resolve a step's futures of one event loop in one callback."""
     for future in futures:
-        if not future.done():
-            future.set_result(None)
+        resolve(future)
 
 
 class _StreamBase:
