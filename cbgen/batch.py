@@ -93,7 +93,7 @@ class BatchBuilder:
             if pending is not None and start <= pending < start + count:
                 carry.append((row + pending - start, request.pending_row))
             positions.extend(range(start, start + count))
-            tables = chunk.block_tables or [request.block_ids]
+            tables = chunk.block_tables
             context_len = start + count
             num_blocks = -(-context_len // bs)
             decode = count == 1 and start > 0

@@ -197,7 +197,7 @@ class EngineCore:
             self._in_flight = None
             outputs = self._settle(in_flight.pending, self._result(in_flight, None))
             in_flight = None
-            _drop_finished(scheduled)
+            _drop_finished(scheduled, self._requests)
         if scheduled.swap_out or scheduled.swap_in:
             self._move_blocks(scheduled)
         if scheduled.is_empty:
@@ -289,7 +289,7 @@ class EngineCore:
             except Exception:
                 logger.exception(
                     "cbgen: a swap copy of request %r failed; it will be recomputed",
-                    move.request.request_id,
+                    move.request_id,
                 )
                 self.scheduler.swap_failed(move, scheduled)
 
@@ -333,11 +333,12 @@ def _needs_settled_tokens(scheduled: SchedulerOutput) -> bool:
     return any(c.request.params.logits_processors for c in scheduled.chunks)
 
 
-def _drop_finished(scheduled: SchedulerOutput) -> None:
-    """Forget the parts of a planned step whose requests finished meanwhile."""
+def _drop_finished(scheduled: SchedulerOutput, live: dict[str, Request]) -> None:
+    """Forget the parts of a planned step whose requests finished meanwhile (``live``:
+    the engine's unfinished requests by id)."""
     scheduled.chunks = [c for c in scheduled.chunks if not c.request.is_finished]
-    scheduled.swap_out = [m for m in scheduled.swap_out if not m.request.is_finished]
-    scheduled.swap_in = [m for m in scheduled.swap_in if not m.request.is_finished]
+    scheduled.swap_out = [m for m in scheduled.swap_out if m.request_id in live]
+    scheduled.swap_in = [m for m in scheduled.swap_in if m.request_id in live]
 
 
 def _model_context_limit(model: torch.nn.Module) -> int | None:

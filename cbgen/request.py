@@ -38,12 +38,10 @@ class Request:
     preempted request can be recomputed from it alone. ``num_computed_tokens``
     counts the leading tokens whose K/V already sit in the request's blocks.
 
-    Prefix caching state: ``block_hashes`` are the chain hashes of the full
-    blocks of ``token_ids`` hashed so far (they never change: tokens are only
-    appended); the first ``num_cached_blocks`` entries of ``block_ids`` are in
-    the prefix cache (taken from it at admission or registered once computed).
-    ``num_cached_tokens`` is how many prompt tokens the first admission took
-    from the cache instead of computing them.
+    Its blocks are the ``KVCacheManager``'s. ``block_hashes`` are the chain hashes
+    of the full blocks of ``token_ids`` hashed so far (they never change: tokens
+    are only appended). ``num_cached_tokens`` is how many prompt tokens the first
+    admission took from the cache instead of computing them.
 
     With async scheduling the last entry of ``token_ids`` may be a placeholder for
     a token still being sampled (``pending_index``); see ``cbgen.output``.
@@ -56,12 +54,10 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)
-    num_cached_blocks: int = 0
     num_cached_tokens: int = 0
     # Async scheduling: where the placeholder of a token being sampled sits in
     # ``token_ids`` (None: every token is known), and its row in that step's samples.

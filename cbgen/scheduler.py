@@ -24,11 +24,10 @@ With prefix caching on, admission looks up the chain hashes of the request's ful
 blocks (``cbgen.cache.prefix_cache``) and takes every cached block of its prefix by
 reference instead of computing it again.
 
-Cache groups (``cbgen.cache.groups``): a request holds one block list per group,
-all drawn from the one allocator. Group 0's list is ``request.block_ids``; the
-others live in the scheduler (``block_tables(request)`` gives them all). Before
-each step a sliding-window group's blocks that no query of the request can read
-any more go back to the free list; their entries become ``-1``.
+Blocks are the ``KVCacheManager``'s (``cbgen.cache.kv_cache_manager``): every block
+table of every cache group, the prefix cache, the swap space and window eviction. The
+scheduler asks it what a request needs and tells it what to allocate or free; it keeps
+the queues, the policy and the token budget.
 """
 
 from __future__ import annotations
@@ -38,9 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .cache.allocator import BlockAllocator
-from .cache.groups import FULL_GROUP, CacheGroup
-from .cache.prefix_cache import BlockHash, extend_block_hashes
+from .cache.groups import CacheGroup
+from .cache.kv_cache_manager import BlockMove, InFlightBlocks, KVCacheManager
 from .request import FinishReason, Request, RequestStatus
+
+__all__ = ["BlockMove", "ScheduledChunk", "Scheduler", "SchedulerOutput", "make_scheduler"]
 
 
 @dataclass
@@ -49,8 +50,8 @@ class ScheduledChunk:
 
     request: Request
     num_tokens: int
-    # One block list per cache group (``Scheduler.block_tables``); None: ``[request.block_ids]``.
-    block_tables: list[list[int]] | None = None
+    # One block list per cache group (``Scheduler.block_tables``).
+    block_tables: list[list[int]]
 
     @property
     def start(self) -> int:
@@ -60,15 +61,6 @@ class ScheduledChunk:
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the request's last known token, so it yields a sample."""
         return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class BlockMove:
-    """A swap copy: ``device_blocks[i]`` <-> ``host_blocks[i]`` for ``request``."""
-
-    request: Request
-    device_blocks: list[int]
-    host_blocks: list[int]
 
 
 @dataclass
@@ -97,13 +89,8 @@ class _Step:
 
     budget: int
     scheduled: set[int] = field(default_factory=set)  # id() of requests with a chunk
-    in_flight: set[BlockHash] = field(default_factory=set)  # full blocks computed this step
-    in_flight_seen: int = 0  # chunks already folded into in_flight
-
-
-def _final_length(request: Request) -> int:
-    """The most tokens ``request`` can reach: its prompt plus ``max_new_tokens``."""
-    return len(request.prompt_token_ids) + request.params.max_new_tokens
+    in_flight: InFlightBlocks = field(default_factory=InFlightBlocks)
+    chunks: list[tuple[Request, int, int]] = field(default_factory=list)  # request, start, count
 
 
 def _key(request: Request) -> tuple[int, int]:
@@ -164,25 +151,21 @@ class Scheduler:
         swap_blocks: int = 0,
         admission: str = "eager",
     ) -> None:
-        self.allocator = allocator
+        self.kv = KVCacheManager(
+            allocator,
+            block_size,
+            groups,
+            enable_prefix_caching=enable_prefix_caching,
+            swap_blocks=swap_blocks,
+        )
         # "full_length": admit only what fits to the end (EngineConfig.admission).
         self.full_length_admission = admission == "full_length"
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
-        self.groups: tuple[CacheGroup, ...] = tuple(groups) if groups else (FULL_GROUP,)
-        self._windowed = [i for i, g in enumerate(self.groups) if g.is_windowed]
-        single_full = len(self.groups) == 1 and not self._windowed
-        self.enable_prefix_caching = enable_prefix_caching and single_full
-        self._more_tables: dict[Request, list[list[int]]] = {}  # groups 1.. of each request
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # sorted by (priority, arrival)
-        # The host swap space's block ids (None: preemption always recomputes).
-        self.host_allocator = BlockAllocator(swap_blocks) if swap_blocks > 0 else None
-        self._host_tables: dict[Request, list[list[int]]] = {}  # swapped requests' host blocks
-        # Host blocks of last step's swap-ins: freed only once those copies have run.
-        self._host_blocks_in_use: list[int] = []
         self.stats: dict[str, int] = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
@@ -192,6 +175,26 @@ class Scheduler:
             "swapped_in": 0,
             "swap_failures": 0,
         }
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.kv.allocator
+
+    @property
+    def host_allocator(self) -> BlockAllocator | None:
+        return self.kv.host_allocator
+
+    @property
+    def groups(self) -> tuple[CacheGroup, ...]:
+        return self.kv.groups
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.kv.enable_prefix_caching
+
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """The request's block list of every cache group (``-1``: a block dropped from a window)."""
+        return self.kv.block_tables(request)
 
     # -- queue management -------------------------------------------------------------
 
@@ -214,39 +217,24 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-            self._release_host(request)
-        self._release(request)
+            self.kv.release_host(request)
+        self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self._free_swapped_in()  # the step that read them is over
-
-    def _free_swapped_in(self) -> None:
-        """Free the host blocks of the last step's swap-ins, whose copies have run by now.
-
-        They are kept until the next ``schedule`` (or ``finish``, called after the step)
-        so that no swap-out of the step that read them can overwrite them.
-        """
-        if self._host_blocks_in_use:
-            assert self.host_allocator is not None
-            self.host_allocator.free(self._host_blocks_in_use)
-            self._host_blocks_in_use = []
+        self.kv.free_swapped_in()  # the step that read them is over
 
     # -- the step ---------------------------------------------------------------------
 
-    def block_tables(self, request: Request) -> list[list[int]]:
-        """The request's block list of every cache group (``-1``: a block dropped from a window)."""
-        more = self._more_tables.get(request)
-        return [request.block_ids, *more] if more else [request.block_ids]
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._free_swapped_in()
-        if self.enable_prefix_caching:
+        kv = self.kv
+        kv.free_swapped_in()
+        if kv.enable_prefix_caching:
             for request in self.running:
-                self._cache_computed_blocks(request)
-        if self._windowed:
+                kv.register_computed(request)
+        if kv.has_windows:
             for request in self.running:
-                self._drop_out_of_window(request)
+                kv.drop_out_of_window(request)
         by_priority = self._make_room_for_priority(out)
         step = _Step(self.max_batch_tokens)
         running = sorted(self.running, key=_key)
@@ -266,10 +254,10 @@ class Scheduler:
             elif len(out.preempted) == by_priority:  # else the cache is full: admitting
                 # more would only thrash (preempted for a higher priority is the exception)
                 if self.full_length_admission:
-                    reserve = sum(self._blocks_to_finish(r) for r in self.running)
+                    reserve = sum(kv.blocks_to_finish(r) for r in self.running)
                 else:
                     reserve = sum(
-                        self._blocks_needed(r, 1)
+                        kv.blocks_needed(r, 1)
                         for r in decoding
                         if r.status is RequestStatus.RUNNING and id(r) not in step.scheduled
                     )
@@ -292,10 +280,9 @@ class Scheduler:
             victim = max(self.running, key=_key)
             if victim.params.priority <= head.params.priority:
                 break
-            first_chunk = min(head.num_tokens, self.max_batch_tokens)
-            needed = -(-first_chunk // self.block_size) * len(self.groups)
+            needed = self.kv.blocks_for_first_chunk(min(head.num_tokens, self.max_batch_tokens))
             # A block of slack per running request: their decodes come first.
-            room = self.allocator.num_free - len(self.running)
+            room = self.kv.num_free - len(self.running)
             if len(self.running) < self.max_num_seqs and needed <= room:
                 break
             # Recomputed, never swapped: a swapped request resumes before waiting ones
@@ -313,113 +300,58 @@ class Scheduler:
             num_tokens = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if not self._reserve_or_preempt(request, num_tokens, step, out):
                 continue
-            out.chunks.append(self._chunk(request, num_tokens))
-            step.scheduled.add(id(request))
-            step.budget -= num_tokens
+            self._add_chunk(request, num_tokens, step, out)
 
     def _admit(self, step: _Step, out: SchedulerOutput, reserve: int) -> None:
         """Start waiting requests; ``reserve`` blocks stay free for this step's decodes."""
-        bs = self.block_size
+        kv = self.kv
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hits = self._cached_prefix(request)
-            if self._next_block_in_flight(request, len(hits), step, out):
+            hits = kv.cached_prefix(request)
+            if kv.next_block_in_flight(request, len(hits), step.in_flight, step.chunks):
                 break  # reuse it next step rather than compute it twice
-            num_cached = len(hits) * bs
+            num_cached = len(hits) * self.block_size
             num_tokens = min(request.num_tokens - num_cached, step.budget)
-            total = -(-(num_cached + num_tokens) // bs)
-            needed = total - len(hits) + total * (len(self.groups) - 1)
-            revived = sum(1 for block in hits if self.allocator.ref_count(block) == 0)
-            final = self._final_blocks(request)
             growth = 0  # blocks it may take later, kept free under full-length admission
             if self.full_length_admission:
-                growth = max(0, final - total) * len(self.groups)
-            free = self.allocator.num_free - needed - revived - reserve
+                growth = kv.growth_after(request, num_cached, num_tokens)
+            free = kv.num_free - kv.admission_cost(request, hits, num_tokens) - reserve
             if free < 0 or (self.running and free < growth):  # alone, it always fits
                 break
             reserve += growth
             self.waiting.pop(0)
-            self.allocator.share(hits)
-            request.block_ids = hits + self.allocator.allocate(
-                total - len(hits),
-                after=hits[-1] if hits else None,
-                region=final - len(hits),
-            )
-            if len(self.groups) > 1:
-                self._more_tables[request] = [
-                    self.allocator.allocate(total) for _ in self.groups[1:]
-                ]
-            request.num_cached_blocks = len(hits)
+            kv.admit(request, hits, num_tokens)
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             self.stats["cached_tokens"] += num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(self._chunk(request, num_tokens))
-            step.scheduled.add(id(request))
-            step.budget -= num_tokens
+            self._add_chunk(request, num_tokens, step, out)
+
+    def _add_chunk(
+        self, request: Request, num_tokens: int, step: _Step, out: SchedulerOutput
+    ) -> None:
+        out.chunks.append(ScheduledChunk(request, num_tokens, self.kv.block_tables(request)))
+        step.chunks.append((request, request.num_computed_tokens, num_tokens))
+        step.scheduled.add(id(request))
+        step.budget -= num_tokens
 
     # -- swap -------------------------------------------------------------------------
 
     def _resume(self, step: _Step, out: SchedulerOutput, reserve: int) -> None:
         """Bring swapped requests back (queue order) while their blocks fit."""
-        bs = self.block_size
         while self.swapped and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            host_tables = self._host_tables[request]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            total = -(-(request.num_computed_tokens + num_tokens) // bs)
-            needed = sum(
-                sum(1 for b in table if b >= 0) + max(0, total - len(table))
-                for table in host_tables
-            )
-            if needed + reserve > self.allocator.num_free:
+            if self.kv.swap_in_cost(request, num_tokens) + reserve > self.kv.num_free:
                 break
             self.swapped.pop(0)
-            del self._host_tables[request]
-            move = BlockMove(request, [], [])
-            device_tables = []
-            for table in host_tables:
-                device = [-1] * len(table)
-                live = [i for i, b in enumerate(table) if b >= 0]
-                for i, block in zip(live, self.allocator.allocate(len(live)), strict=True):
-                    device[i] = block
-                    move.device_blocks.append(block)
-                    move.host_blocks.append(table[i])
-                device_tables.append(device)
-            request.block_ids = device_tables[0]
-            if len(device_tables) > 1:
-                self._more_tables[request] = device_tables[1:]
-            self._host_blocks_in_use.extend(move.host_blocks)
-            out.swap_in.append(move)
-            request.num_cached_blocks = 0
+            out.swap_in.append(self.kv.swap_in(request, num_tokens))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._grow(request, num_tokens)
-            out.chunks.append(self._chunk(request, num_tokens))
-            step.scheduled.add(id(request))
-            step.budget -= num_tokens
+            self._add_chunk(request, num_tokens, step, out)
             self.stats["swapped_in"] += 1
-
-    def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
-        """Copy ``request``'s computed blocks to the swap space; False if they do not fit."""
-        host = self.host_allocator
-        if host is None or request.num_computed_tokens == 0:
-            return False
-        computed = -(-request.num_computed_tokens // self.block_size)
-        tables = [table[:computed] for table in self.block_tables(request)]
-        device_blocks = [b for table in tables for b in table if b >= 0]
-        if len(device_blocks) > host.num_free:
-            return False
-        host_blocks = host.allocate(len(device_blocks))
-        take = iter(host_blocks)
-        self._host_tables[request] = [
-            [next(take) if b >= 0 else -1 for b in table] for table in tables
-        ]
-        out.swap_out.append(BlockMove(request, device_blocks, host_blocks))
-        self.stats["swapped_out"] += 1
-        return True
 
     def swap_failed(self, move: BlockMove, out: SchedulerOutput) -> None:
         """A copy of ``move`` failed: its request is recomputed instead, leaking nothing.
@@ -428,115 +360,24 @@ class Scheduler:
         dropped), gives back every device and host block it holds and waits to be
         prefilled again from its tokens.
         """
-        request = move.request
         self.stats["swap_failures"] += 1
+        request = next(
+            (r for r in self.running + self.swapped if r.request_id == move.request_id), None
+        )
+        if request is None:
+            return  # already finished or requeued: nothing of it is left
         out.chunks = [c for c in out.chunks if c.request is not request]
         if request.status is RequestStatus.RUNNING:  # a failed swap-in
             self.running.remove(request)
-        elif request.status is RequestStatus.SWAPPED:  # a failed swap-out
+        else:  # a failed swap-out
             self.swapped.remove(request)
-            self._release_host(request)
-        else:
-            return  # already finished or requeued: nothing of it is left
+            self.kv.release_host(request)
         request.num_computed_tokens = 0  # nothing it holds is valid K/V any more
-        self._release(request)
+        self.kv.free(request)
         request.status = RequestStatus.WAITING
         insort(self.waiting, request, key=_key)
 
-    # -- prefix caching ---------------------------------------------------------------
-
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks of the request's prefix, at most ``num_tokens - 1`` tokens' worth."""
-        if not self.enable_prefix_caching:
-            return []
-        limit = (request.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(
-            request.block_hashes, request.token_ids, self.block_size, limit
-        )
-        return self.allocator.lookup(hashes[:limit])
-
-    def _next_block_in_flight(
-        self, request: Request, num_hits: int, step: _Step, out: SchedulerOutput
-    ) -> bool:
-        if (
-            not self.enable_prefix_caching
-            or num_hits >= (request.num_tokens - 1) // self.block_size
-        ):
-            return False
-        next_hash = request.block_hashes[num_hits]
-        bs = self.block_size
-        while step.in_flight_seen < len(out.chunks):
-            chunk = out.chunks[step.in_flight_seen]
-            step.in_flight_seen += 1
-            other = chunk.request
-            first = chunk.start // bs
-            # Never hash a placeholder (async scheduling): only known tokens.
-            known = other.num_tokens if other.pending_index is None else other.pending_index
-            last = min(-(-(chunk.start + chunk.num_tokens) // bs), known // bs)
-            if last > first:
-                hashes = extend_block_hashes(other.block_hashes, other.token_ids, bs, last)
-                step.in_flight.update(hashes[first:last])
-        return next_hash in step.in_flight
-
-    def _cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
-        full = request.num_computed_tokens // self.block_size
-        if full <= request.num_cached_blocks:
-            return
-        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, full)
-        for index in range(request.num_cached_blocks, full):
-            self.allocator.cache_block(request.block_ids[index], hashes[index])
-        request.num_cached_blocks = full
-
     # -- helpers ----------------------------------------------------------------------
-
-    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
-        tables = self.block_tables(request) if len(self.groups) > 1 else None
-        return ScheduledChunk(request, num_tokens, tables)
-
-    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
-        total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
-        return sum(max(0, total - len(blocks)) for blocks in self.block_tables(request))
-
-    def _final_blocks(self, request: Request) -> int:
-        """Blocks per cache group that ``request`` holds at its final length."""
-        return -(-_final_length(request) // self.block_size)
-
-    def _blocks_to_finish(self, request: Request) -> int:
-        """Blocks ``request`` may still take: up to its prompt plus ``max_new_tokens``."""
-        remaining = _final_length(request) - request.num_computed_tokens
-        return self._blocks_needed(request, max(0, remaining))
-
-    def _grow(self, request: Request, num_tokens: int) -> None:
-        """Give every group of ``request`` the blocks for ``num_tokens`` more tokens."""
-        total = -(-(request.num_computed_tokens + num_tokens) // self.block_size)
-        final = self._final_blocks(request)
-        for blocks in self.block_tables(request):
-            if total > len(blocks):
-                blocks.extend(
-                    self.allocator.allocate(
-                        total - len(blocks),
-                        after=blocks[-1] if blocks else None,
-                        region=final - len(blocks),
-                    )
-                )
-
-    def _drop_out_of_window(self, request: Request) -> None:
-        """Free the blocks of windowed groups that no future query of ``request`` reads."""
-        tables = self.block_tables(request)
-        for index in self._windowed:
-            blocks = tables[index]
-            first = self.groups[index].first_needed_block(
-                request.num_computed_tokens, self.block_size
-            )
-            stale = []
-            for i in range(min(first, len(blocks)) - 1, -1, -1):
-                if blocks[i] < 0:
-                    break  # everything before was dropped at an earlier step
-                stale.append(blocks[i])
-                blocks[i] = -1
-            if stale:
-                self.allocator.free(stale)
 
     def _reserve_or_preempt(
         self, request: Request, num_tokens: int, step: _Step, out: SchedulerOutput
@@ -545,23 +386,25 @@ class Scheduler:
 
         Returns False when ``request`` itself had to be preempted.
         """
-        needed = self._blocks_needed(request, num_tokens)
-        while needed > self.allocator.num_free:
+        needed = self.kv.blocks_needed(request, num_tokens)
+        while needed > self.kv.num_free:
             victim = max(
                 (r for r in self.running if id(r) not in step.scheduled), key=_key
             )  # ``request`` is a candidate itself, so this is never empty
             self._preempt(victim, out)
             if victim is request:
                 return False
-        self._grow(request, num_tokens)
+        self.kv.allocate_slots(request, num_tokens)
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput, allow_swap: bool = True) -> None:
         self.running.remove(request)
-        swapped = allow_swap and self._swap_out(request, out)
-        self._release(request)
+        move = self.kv.swap_out(request) if allow_swap else None
+        self.kv.free(request)
         request.num_preemptions += 1
-        if swapped:  # keeps num_computed_tokens: its K/V comes back with it
+        if move is not None:  # keeps num_computed_tokens: its K/V comes back with it
+            out.swap_out.append(move)
+            self.stats["swapped_out"] += 1
             request.status = RequestStatus.SWAPPED
             insort(self.swapped, request, key=_key)
         else:
@@ -570,23 +413,6 @@ class Scheduler:
             insort(self.waiting, request, key=_key)
         out.preempted.append(request)
         self.stats["preemptions"] += 1
-
-    def _release(self, request: Request) -> None:
-        if self.enable_prefix_caching and request.block_ids:
-            self._cache_computed_blocks(request)
-        for blocks in self.block_tables(request):
-            # Last block first: the tail of a prefix is evicted before its head.
-            self.allocator.free(b for b in reversed(blocks) if b >= 0)
-        request.block_ids = []
-        self._more_tables.pop(request, None)
-        request.num_cached_blocks = 0
-
-    def _release_host(self, request: Request) -> None:
-        """Free the swap-space blocks of a swapped request."""
-        host_tables = self._host_tables.pop(request, None)
-        if host_tables is not None:
-            assert self.host_allocator is not None
-            self.host_allocator.free(b for table in host_tables for b in table if b >= 0)
 
     def _count(self, out: SchedulerOutput) -> None:
         for chunk in out.chunks:

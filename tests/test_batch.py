@@ -19,11 +19,18 @@ def _builder(kernel=None):
     return BatchBuilder(cache, {0: 0}, kernel)
 
 
+_BLOCKS: dict[int, list[int]] = {}
+
+
 def _request(rid, tokens, computed, blocks):
     request = Request(rid, list(tokens), SamplingParams(), arrival_order=0)
     request.num_computed_tokens = computed
-    request.block_ids = list(blocks)
+    _BLOCKS[id(request)] = list(blocks)
     return request
+
+
+def _chunk(request, num_tokens):
+    return ScheduledChunk(request, num_tokens, [_BLOCKS[id(request)]])
 
 
 def test_a_mixed_step_packs_decodes_and_prefill_chunks():
@@ -32,9 +39,7 @@ def test_a_mixed_step_packs_decodes_and_prefill_chunks():
     a = _request("a", range(10, 17), 6, [3, 5])
     b = _request("b", range(20, 29), 0, [8, 9])
     c = _request("c", range(30, 36), 4, [1, 2])
-    scheduled = SchedulerOutput(
-        chunks=[ScheduledChunk(a, 1), ScheduledChunk(b, 5), ScheduledChunk(c, 2)]
-    )
+    scheduled = SchedulerOutput(chunks=[_chunk(a, 1), _chunk(b, 5), _chunk(c, 2)])
     batch = _builder().build(scheduled)
     assert batch.input_ids.tolist() == [[16, 20, 21, 22, 23, 24, 34, 35]]
     assert batch.position_ids.tolist() == [[6, 0, 1, 2, 3, 4, 4, 5]]
@@ -61,9 +66,7 @@ def test_a_mixed_step_packs_decodes_and_prefill_chunks():
 def test_a_decode_only_step_with_the_kernel_needs_no_mask():
     a = _request("a", range(10, 15), 4, [3, 5])
     b = _request("b", range(20, 22), 1, [7])
-    batch = _builder(kernel=object()).build(
-        SchedulerOutput(chunks=[ScheduledChunk(a, 1), ScheduledChunk(b, 1)])
-    )
+    batch = _builder(kernel=object()).build(SchedulerOutput(chunks=[_chunk(a, 1), _chunk(b, 1)]))
     meta = batch.attention
     assert meta.decode_only and meta.prefills == []
     assert meta.decode_block_tables.tolist() == [[3, 5], [7, 0]]  # padded with block 0
@@ -75,5 +78,5 @@ def test_a_decode_only_step_with_the_kernel_needs_no_mask():
 def test_a_placeholder_token_is_carried_from_the_previous_step():
     a = _request("a", [10, 11, 0], 2, [3])  # the last token is still being sampled
     a.pending_index, a.pending_row = 2, 4
-    batch = _builder().build(SchedulerOutput(chunks=[ScheduledChunk(a, 1)]))
+    batch = _builder().build(SchedulerOutput(chunks=[_chunk(a, 1)]))
     assert batch.carry_rows.tolist() == [0] and batch.carry_sources.tolist() == [4]

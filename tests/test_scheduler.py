@@ -32,8 +32,9 @@ from cbgen.scheduler import (
 class FakeModel:
     """Stands in for the forward pass: writes a fingerprint of each token's prefix."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, scheduler: Scheduler) -> None:
         self.block_size = block_size
+        self.tables = scheduler.block_tables
         self.kv: dict[int, int] = {}  # flat slot -> fingerprint of the prefix it encodes
         self.host_kv: dict[int, int] = {}  # the same for the swap space's slots
         self.prefix_ids: dict[int, list[int]] = {}  # id(request) -> fingerprint per position
@@ -49,7 +50,7 @@ class FakeModel:
         return ids
 
     def _slot(self, request: Request, position: int) -> int:
-        block = request.block_ids[position // self.block_size]
+        block = self.tables(request)[0][position // self.block_size]
         return block * self.block_size + position % self.block_size
 
     def _copy(self, src: dict, dst: dict, src_blocks: list[int], dst_blocks: list[int]) -> None:
@@ -94,21 +95,25 @@ def _apply(scheduler: Scheduler, out: SchedulerOutput, model: FakeModel | None =
 def _check_blocks(scheduler: Scheduler) -> None:
     allocator = scheduler.allocator
     allocator.check_invariants()
-    holders = Counter(b for r in scheduler.running for b in r.block_ids)
+    holders = Counter(b for r in scheduler.running for b in _blocks(scheduler, r))
     for block, count in holders.items():
         assert allocator.ref_count(block) == count, "reference count differs from holders"
     assert allocator.num_free + len(holders) == allocator.num_blocks, "a block leaked"
     for r in scheduler.waiting:
-        assert r.block_ids == [] and r.num_computed_tokens == 0
+        assert _blocks(scheduler, r) == [] and r.num_computed_tokens == 0
     for r in scheduler.swapped:
-        assert r.status is RequestStatus.SWAPPED and r.block_ids == []
+        assert r.status is RequestStatus.SWAPPED and _blocks(scheduler, r) == []
         assert r.num_computed_tokens > 0
     host = scheduler.host_allocator
     if host is not None:
         host.check_invariants()
-        held = sum(b >= 0 for t in scheduler._host_tables.values() for b in t[0])
-        in_use = len(scheduler._host_blocks_in_use)
-        assert host.num_free + held + in_use == host.num_blocks, "a host block leaked"
+        assert host.num_free + scheduler.kv.host_block_count() == host.num_blocks, (
+            "a host block leaked"
+        )
+
+
+def _blocks(scheduler: Scheduler, request: Request) -> list[int]:
+    return scheduler.block_tables(request)[0]
 
 
 def _check_chunk_writes(scheduler: Scheduler, chunk: ScheduledChunk, block_size: int) -> None:
@@ -116,7 +121,7 @@ def _check_chunk_writes(scheduler: Scheduler, chunk: ScheduledChunk, block_size:
     request = chunk.request
     first = chunk.start // block_size
     last = -(-(chunk.start + chunk.num_tokens) // block_size)
-    for block in request.block_ids[first:last]:
+    for block in _blocks(scheduler, request)[first:last]:
         assert scheduler.allocator.ref_count(block) == 1, "a shared block would be written"
         assert scheduler.allocator.block_hash(block) is None, "a cached block would be written"
 
@@ -195,7 +200,7 @@ def test_every_request_finishes_without_leaks(
         swap_blocks=swap_blocks,
         admission=admission,
     )
-    model = FakeModel(block_size)
+    model = FakeModel(block_size, scheduler)
     pending = [
         (arrive, Request(str(i), prompt, SamplingParams(max_new_tokens=n, priority=prio), i))
         for i, (prompt, n, arrive, prio) in enumerate(requests)
@@ -223,8 +228,9 @@ def test_every_request_finishes_without_leaks(
             finished += settle(in_flight)  # as the engine does before swap copies
             in_flight = None
             out.chunks = [c for c in out.chunks if not c.request.is_finished]
-            out.swap_out = [m for m in out.swap_out if not m.request.is_finished]
-            out.swap_in = [m for m in out.swap_in if not m.request.is_finished]
+            live = {r.request_id for r in scheduler.running + scheduler.swapped}
+            out.swap_out = [m for m in out.swap_out if m.request_id in live]
+            out.swap_in = [m for m in out.swap_in if m.request_id in live]
         assert out.num_tokens <= max_batch_tokens
         assert len(scheduler.running) <= max_num_seqs
         assert len({id(c.request) for c in out.chunks}) == len(out.chunks)
@@ -234,7 +240,7 @@ def test_every_request_finishes_without_leaks(
             assert chunk.num_tokens >= 1
             assert chunk.start + chunk.num_tokens <= request.num_tokens
             needed = -(-(chunk.start + chunk.num_tokens) // block_size)
-            assert len(request.block_ids) >= needed, "chunk scheduled without its blocks"
+            assert len(_blocks(scheduler, request)) >= needed, "chunk scheduled without its blocks"
             _check_chunk_writes(scheduler, chunk, block_size)
         if scheduler.has_unfinished() and not pending and not waited:
             assert out.chunks, "the scheduler stalled with work left"
@@ -321,7 +327,7 @@ def test_preemption_picks_the_newest_and_requeues_it_first():
     out = scheduler.schedule()
     assert [c.request for c in out.chunks] == [old]
     assert out.preempted == [new]
-    assert new.status is RequestStatus.WAITING and new.block_ids == []
+    assert new.status is RequestStatus.WAITING and _blocks(scheduler, new) == []
     assert scheduler.waiting[0] is new
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 1
 
@@ -377,8 +383,9 @@ def test_prefix_cache_reuse_caps_at_the_last_prompt_token():
         ("c", 12, 2),
     ]
     assert same.num_cached_tokens == 8 and longer.num_cached_tokens == 12
-    assert same.block_ids[:2] == longer.block_ids[:2] and same.block_ids[2] != longer.block_ids[2]
-    assert allocator.ref_count(longer.block_ids[0]) == 2
+    same_blocks, longer_blocks = _blocks(scheduler, same), _blocks(scheduler, longer)
+    assert same_blocks[:2] == longer_blocks[:2] and same_blocks[2] != longer_blocks[2]
+    assert allocator.ref_count(longer_blocks[0]) == 2
     assert scheduler.stats["cached_tokens"] == 20
 
 
@@ -405,7 +412,7 @@ def test_disabled_prefix_cache_never_shares():
     while scheduler.has_unfinished():
         _apply(scheduler, scheduler.schedule())
         _check_blocks(scheduler)
-        holders = Counter(b for r in scheduler.running for b in r.block_ids)
+        holders = Counter(b for r in scheduler.running for b in _blocks(scheduler, r))
         assert max(holders.values(), default=1) == 1
     assert allocator.num_cached == 0 and allocator.num_free == 32
 
@@ -433,7 +440,7 @@ def test_waiting_request_of_higher_priority_preempts_a_running_one(policy):
     out = scheduler.schedule()
     assert out.preempted == [low[1]]  # the newest of the lowest priority
     assert urgent in [c.request for c in out.chunks]
-    assert low[1].status is RequestStatus.WAITING and low[1].block_ids == []
+    assert low[1].status is RequestStatus.WAITING and _blocks(scheduler, low[1]) == []
     _apply(scheduler, out)
     while scheduler.has_unfinished():
         _apply(scheduler, scheduler.schedule())
