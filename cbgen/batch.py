@@ -11,7 +11,7 @@ import torch
 from .attention import AttentionMetadata, GroupTables, PrefillSpan
 from .cache.groups import FULL_GROUP, CacheGroup
 from .cache.paged_cache import PagedKVCache
-from .scheduler import ScheduledChunk, SchedulerOutput
+from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -22,7 +22,7 @@ class StepBatch:
     position_ids: torch.Tensor  # [1, tokens]
     logits_indices: torch.Tensor  # [samples] rows whose logits are sampled
     attention: AttentionMetadata
-    sampled_chunks: list[ScheduledChunk]  # one per logits row, same order
+    sampled: list[ScheduledRequest]  # one per logits row, same order
     # Async scheduling: input rows holding a placeholder, and the row of the previous
     # step's samples whose token goes there (filled on the device before the forward).
     carry_rows: torch.Tensor | None = None
@@ -76,7 +76,7 @@ class BatchBuilder:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
-        sampled: list[ScheduledChunk] = []
+        sampled: list[ScheduledRequest] = []
         decode_rows: list[int] = []
         carry: list[tuple[int, int]] = []
         prefill_spans: list[tuple[int, int, int]] = []
@@ -84,14 +84,13 @@ class BatchBuilder:
         # Per-row tables serve the kernel with one cache group (``_add_row_tables``).
         row_tables = self.decode_kernel is not None and len(self.groups) == 1
 
-        for chunk in scheduled.chunks:
-            request = chunk.request
+        for chunk in scheduled.scheduled:
             start, count = chunk.start, chunk.num_tokens
             row = len(input_ids)
-            input_ids.extend(request.token_ids[start : start + count])
-            pending = request.pending_index
-            if pending is not None and start <= pending < start + count:
-                carry.append((row + pending - start, request.pending_row))
+            input_ids.extend(chunk.token_ids)
+            if chunk.carry is not None:
+                offset, source = chunk.carry
+                carry.append((row + offset, source))
             positions.extend(range(start, start + count))
             tables = chunk.block_tables
             context_len = start + count
@@ -117,7 +116,7 @@ class BatchBuilder:
                 decode_rows.append(row)
             else:
                 prefill_spans.append((row, count, context_len))
-            if chunk.completes_sequence:
+            if chunk.sample:
                 logits_indices.append(row + count - 1)
                 sampled.append(chunk)
 
@@ -151,7 +150,7 @@ class BatchBuilder:
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             attention=metadata,
-            sampled_chunks=sampled,
+            sampled=sampled,
         )
         if carry:
             rows, sources = zip(*carry, strict=True)

@@ -117,6 +117,7 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
         self._requests: dict[str, Request] = {}
+        self._num_with_processors = 0  # unfinished requests with per-request processors
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step
         self._executor: futures.ThreadPoolExecutor | None = None
         self._ids = itertools.count()
@@ -155,16 +156,26 @@ class EngineCore:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self._requests[request_id] = request
+        if params.logits_processors:
+            self._num_with_processors += 1
         self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks come back at once. False if it is unknown or done."""
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None or request.is_finished:
+            self._requests.pop(request_id, None)
             return False
-        self.scheduler.finish(request, FinishReason.ABORTED)
+        self._retire(request, FinishReason.ABORTED)
         return True
+
+    def _retire(self, request: Request, reason: FinishReason) -> None:
+        """Finish ``request`` in the scheduler (its blocks come back) and forget it."""
+        self.scheduler.finish(request, reason)
+        self._requests.pop(request.request_id, None)
+        if request.params.logits_processors:
+            self._num_with_processors -= 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block, so later requests compute their prompts afresh
@@ -189,30 +200,30 @@ class EngineCore:
         this step's scheduling and the caller's handling of the outputs overlap
         the next forward pass.
         """
-        scheduled = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         in_flight = self._in_flight
-        if in_flight is not None and (scheduled.is_empty or _needs_settled_tokens(scheduled)):
-            # Swap copies and logits processors want every token known: settle first.
-            self._in_flight = None
-            outputs = self._settle(in_flight.pending, self._result(in_flight, None))
+        if in_flight is not None and self._num_with_processors:
+            # Logits processors read every token so far: settle before planning.
+            outputs = self._settle_in_flight()
             in_flight = None
-            _drop_finished(scheduled, self._requests)
+        scheduled = self.scheduler.schedule()
         if scheduled.swap_out or scheduled.swap_in:
+            if in_flight is not None:  # the copies read K/V the step in flight writes
+                futures.wait([in_flight.future])
             self._move_blocks(scheduled)
         if scheduled.is_empty:
-            return outputs
+            return self._settle_in_flight() if in_flight is not None else outputs
         batch = self.batch_builder.build(scheduled)
-        requests = [chunk.request for chunk in batch.sampled_chunks]
-        params = [r.params for r in requests]
-        generators = [r.generator for r in requests]
+        sampled = batch.sampled
+        params = [s.params for s in sampled]
+        generators = [s.generator for s in sampled]
         histories = None
         if any(p.logits_processors for p in params):
-            histories = [list(r.token_ids) for r in requests]
+            histories = [s.history or [] for s in sampled]
+        pending = self.output_processor.advance(scheduled, self._requests)
         if not self.config.async_scheduling:
-            sampled = self._forward(batch, params, generators, histories, None)
-            return self._settle(self.output_processor.advance(scheduled), sampled)
-        pending = self.output_processor.advance(scheduled)
+            samples = self._forward(batch, params, generators, histories, None)
+            return self._settle(pending, samples)
         previous = in_flight.future if in_flight is not None else None
         release_thread_team()  # the worker's OpenMP team must be the only one (cbgen.openmp)
         future = self._worker().submit(
@@ -222,6 +233,12 @@ class EngineCore:
         if in_flight is not None:
             outputs = self._settle(in_flight.pending, self._result(in_flight, self._in_flight))
         return outputs
+
+    def _settle_in_flight(self) -> list[RequestOutput]:
+        in_flight = self._in_flight
+        assert in_flight is not None
+        self._in_flight = None
+        return self._settle(in_flight.pending, self._result(in_flight, None))
 
     def _result(self, in_flight: _InFlight, successor: _InFlight | None) -> SamplerOutput:
         """The sampled tokens of a launched step.
@@ -241,8 +258,7 @@ class EngineCore:
             for step in steps:
                 for request in step.pending.requests:
                     if not request.is_finished:
-                        self.scheduler.finish(request, FinishReason.ERROR)
-                        self._requests.pop(request.request_id, None)
+                        self._retire(request, FinishReason.ERROR)
             raise exc
 
     def _forward(
@@ -267,8 +283,7 @@ class EngineCore:
     def _settle(self, pending: PendingSamples, sampled: SamplerOutput) -> list[RequestOutput]:
         outputs, finished = self.output_processor.resolve(pending, sampled.tokens, sampled.errors)
         for request, reason in finished:
-            self.scheduler.finish(request, reason)
-            self._requests.pop(request.request_id, None)
+            self._retire(request, reason)
         return outputs
 
     def _worker(self) -> futures.ThreadPoolExecutor:
@@ -324,21 +339,6 @@ class _InFlight:
 
     pending: PendingSamples
     future: futures.Future[SamplerOutput]
-
-
-def _needs_settled_tokens(scheduled: SchedulerOutput) -> bool:
-    """Whether a step must wait for the step in flight before it is built."""
-    if scheduled.swap_out or scheduled.swap_in:
-        return True
-    return any(c.request.params.logits_processors for c in scheduled.chunks)
-
-
-def _drop_finished(scheduled: SchedulerOutput, live: dict[str, Request]) -> None:
-    """Forget the parts of a planned step whose requests finished meanwhile (``live``:
-    the engine's unfinished requests by id)."""
-    scheduled.chunks = [c for c in scheduled.chunks if not c.request.is_finished]
-    scheduled.swap_out = [m for m in scheduled.swap_out if m.request_id in live]
-    scheduled.swap_in = [m for m in scheduled.swap_in if m.request_id in live]
 
 
 def _model_context_limit(model: torch.nn.Module) -> int | None:

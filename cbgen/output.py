@@ -3,10 +3,11 @@ tokens are known, and decide which requests are done."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .request import FinishReason, Request, RequestOutput
-from .scheduler import SchedulerOutput
+from .scheduler_output import SchedulerOutput
 
 PLACEHOLDER_TOKEN = 0
 """Stands in for a token still being sampled (async scheduling): the next step's input
@@ -26,9 +27,9 @@ class OutputProcessor:
     """The only place that changes a request's tokens after scheduling.
 
     A step is applied in two halves. ``advance`` runs when the step is launched:
-    it counts the step's tokens as computed and appends a placeholder for every
-    token the step samples, so the scheduler can plan the next step before this
-    one is done (async scheduling). ``resolve`` runs when the sampled ids are
+    it appends a placeholder for every token the step samples, so the scheduler
+    can plan the next step before this one is done (async scheduling; the
+    scheduler counted the step's tokens as computed when it planned them). ``resolve`` runs when the sampled ids are
     known: it writes them over the placeholders and applies the stop rules. The
     synchronous loop calls the two back to back.
 
@@ -42,12 +43,11 @@ class OutputProcessor:
         self.model_eos_ids = model_eos_ids
         self.max_model_len = max_model_len
 
-    def advance(self, scheduled: SchedulerOutput) -> PendingSamples:
-        # Decide which chunks sample before counting them: ``completes_sequence``
-        # compares the chunk's end with the request's (pre-step) token count.
-        sampled = [c.request for c in scheduled.chunks if c.completes_sequence]
-        for chunk in scheduled.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+    def advance(
+        self, scheduled: SchedulerOutput, requests: Mapping[str, Request]
+    ) -> PendingSamples:
+        """``requests``: the unfinished requests by id (the step's are among them)."""
+        sampled = [requests[s.request_id] for s in scheduled.scheduled if s.sample]
         positions = []
         for row, request in enumerate(sampled):
             positions.append(len(request.token_ids))

@@ -40,47 +40,9 @@ from .cache.allocator import BlockAllocator
 from .cache.groups import CacheGroup
 from .cache.kv_cache_manager import BlockMove, InFlightBlocks, KVCacheManager
 from .request import FinishReason, Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput
 
-__all__ = ["BlockMove", "ScheduledChunk", "Scheduler", "SchedulerOutput", "make_scheduler"]
-
-
-@dataclass
-class ScheduledChunk:
-    """``num_tokens`` tokens of ``request``, starting at its ``num_computed_tokens``."""
-
-    request: Request
-    num_tokens: int
-    # One block list per cache group (``Scheduler.block_tables``).
-    block_tables: list[list[int]]
-
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this chunk reaches the request's last known token, so it yields a sample."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's decisions. The block copies must run before the step's forward pass:
-    every ``swap_out`` first (they read blocks this step may hand to others), then
-    every ``swap_in``."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swap_out: list[BlockMove] = field(default_factory=list)
-    swap_in: list[BlockMove] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
+__all__ = ["BlockMove", "ScheduledRequest", "Scheduler", "SchedulerOutput", "make_scheduler"]
 
 
 @dataclass
@@ -265,7 +227,7 @@ class Scheduler:
                     self._resume(step, out, reserve)
                 if not self.swapped:  # swapped requests come back before new ones start
                     self._admit(step, out, reserve)
-        self._count(out)
+        self._emit(step, out)
         return out
 
     def _make_room_for_priority(self, out: SchedulerOutput) -> int:
@@ -332,10 +294,40 @@ class Scheduler:
     def _add_chunk(
         self, request: Request, num_tokens: int, step: _Step, out: SchedulerOutput
     ) -> None:
-        out.chunks.append(ScheduledChunk(request, num_tokens, self.kv.block_tables(request)))
         step.chunks.append((request, request.num_computed_tokens, num_tokens))
         step.scheduled.add(id(request))
         step.budget -= num_tokens
+
+    def _emit(self, step: _Step, out: SchedulerOutput) -> None:
+        """Write the step's chunks into ``out`` as values and count their tokens as
+        computed (the K/V is written by the time anything reads it: steps run in order)."""
+        bs = self.block_size
+        for request, start, count in step.chunks:
+            end = start + count
+            pending = request.pending_index
+            carry = None
+            if pending is not None and start <= pending < end:
+                carry = (pending - start, request.pending_row)
+            if start == request.num_tokens - 1 and request.num_output_tokens > 0:
+                self.stats["decode_tokens"] += 1
+            else:
+                self.stats["prefill_tokens"] += count
+            num_blocks = -(-end // bs)
+            params = request.params
+            out.scheduled.append(
+                ScheduledRequest(
+                    request.request_id,
+                    request.token_ids[start:end],
+                    start,
+                    [table[:num_blocks] for table in self.kv.block_tables(request)],
+                    sample=end == request.num_tokens,
+                    params=params,
+                    generator=request.generator,
+                    history=list(request.token_ids) if params.logits_processors else None,
+                    carry=carry,
+                )
+            )
+            request.num_computed_tokens = end
 
     # -- swap -------------------------------------------------------------------------
 
@@ -366,7 +358,7 @@ class Scheduler:
         )
         if request is None:
             return  # already finished or requeued: nothing of it is left
-        out.chunks = [c for c in out.chunks if c.request is not request]
+        out.drop({request.request_id})
         if request.status is RequestStatus.RUNNING:  # a failed swap-in
             self.running.remove(request)
         else:  # a failed swap-out
@@ -411,16 +403,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             insort(self.waiting, request, key=_key)
-        out.preempted.append(request)
+        out.preempted.append(request.request_id)
         self.stats["preemptions"] += 1
-
-    def _count(self, out: SchedulerOutput) -> None:
-        for chunk in out.chunks:
-            request = chunk.request
-            if chunk.start == request.num_tokens - 1 and request.num_output_tokens > 0:
-                self.stats["decode_tokens"] += 1
-            else:
-                self.stats["prefill_tokens"] += chunk.num_tokens
 
 
 class FifoScheduler(Scheduler):

@@ -8,7 +8,7 @@ from cbgen import SamplingParams
 from cbgen.batch import BatchBuilder
 from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
 from cbgen.request import Request
-from cbgen.scheduler import ScheduledChunk, SchedulerOutput
+from cbgen.scheduler_output import ScheduledRequest, SchedulerOutput
 
 BS = 4
 
@@ -30,7 +30,21 @@ def _request(rid, tokens, computed, blocks):
 
 
 def _chunk(request, num_tokens):
-    return ScheduledChunk(request, num_tokens, [_BLOCKS[id(request)]])
+    """The scheduler's value for ``num_tokens`` tokens of ``request`` from its computed ones."""
+    start = request.num_computed_tokens
+    end = start + num_tokens
+    carry = None
+    if request.pending_index is not None and start <= request.pending_index < end:
+        carry = (request.pending_index - start, request.pending_row)
+    return ScheduledRequest(
+        request.request_id,
+        request.token_ids[start:end],
+        start,
+        [_BLOCKS[id(request)][: -(-end // BS)]],
+        sample=end == request.num_tokens,
+        params=request.params,
+        carry=carry,
+    )
 
 
 def test_a_mixed_step_packs_decodes_and_prefill_chunks():
@@ -39,13 +53,13 @@ def test_a_mixed_step_packs_decodes_and_prefill_chunks():
     a = _request("a", range(10, 17), 6, [3, 5])
     b = _request("b", range(20, 29), 0, [8, 9])
     c = _request("c", range(30, 36), 4, [1, 2])
-    scheduled = SchedulerOutput(chunks=[_chunk(a, 1), _chunk(b, 5), _chunk(c, 2)])
+    scheduled = SchedulerOutput(scheduled=[_chunk(a, 1), _chunk(b, 5), _chunk(c, 2)])
     batch = _builder().build(scheduled)
     assert batch.input_ids.tolist() == [[16, 20, 21, 22, 23, 24, 34, 35]]
     assert batch.position_ids.tolist() == [[6, 0, 1, 2, 3, 4, 4, 5]]
     # only chunks that reach their request's last token are sampled: a and c
     assert batch.logits_indices.tolist() == [0, 7]
-    assert [chunk.request for chunk in batch.sampled_chunks] == [a, c]
+    assert [chunk.request_id for chunk in batch.sampled] == ["a", "c"]
     meta = batch.attention
     # slot = block * block_size + offset, position by position
     assert meta.slot_mapping.tolist() == [5 * BS + 2, 32, 33, 34, 35, 36, 2 * BS + 0, 2 * BS + 1]
@@ -66,7 +80,7 @@ def test_a_mixed_step_packs_decodes_and_prefill_chunks():
 def test_a_decode_only_step_with_the_kernel_needs_no_mask():
     a = _request("a", range(10, 15), 4, [3, 5])
     b = _request("b", range(20, 22), 1, [7])
-    batch = _builder(kernel=object()).build(SchedulerOutput(chunks=[_chunk(a, 1), _chunk(b, 1)]))
+    batch = _builder(kernel=object()).build(SchedulerOutput(scheduled=[_chunk(a, 1), _chunk(b, 1)]))
     meta = batch.attention
     assert meta.decode_only and meta.prefills == []
     assert meta.decode_block_tables.tolist() == [[3, 5], [7, 0]]  # padded with block 0
@@ -78,5 +92,5 @@ def test_a_decode_only_step_with_the_kernel_needs_no_mask():
 def test_a_placeholder_token_is_carried_from_the_previous_step():
     a = _request("a", [10, 11, 0], 2, [3])  # the last token is still being sampled
     a.pending_index, a.pending_row = 2, 4
-    batch = _builder().build(SchedulerOutput(chunks=[_chunk(a, 1)]))
+    batch = _builder().build(SchedulerOutput(scheduled=[_chunk(a, 1)]))
     assert batch.carry_rows.tolist() == [0] and batch.carry_sources.tolist() == [4]

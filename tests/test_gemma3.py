@@ -70,10 +70,10 @@ def _run(model, prompts, max_new_tokens, config, window):
 
         def build_and_check(scheduled):  # the blocks held while the step runs
             nonlocal peak
-            for chunk in scheduled.chunks:
+            for chunk in scheduled.scheduled:
                 if chunk.num_tokens != 1:
                     continue  # the bound is for decoding requests
-                tables = engine.scheduler.block_tables(chunk.request)
+                tables = engine.scheduler.block_tables(engine._requests[chunk.request_id])
                 for index in windowed:
                     held = sum(b >= 0 for b in tables[index])
                     assert held <= bound

@@ -26,9 +26,7 @@ def _check(manager: KVCacheManager, live: list[Request]) -> None:
     """Every held block is counted once per holder, and nothing else is in use."""
     allocator = manager.allocator
     allocator.check_invariants()
-    holders = Counter(
-        b for r in live for table in manager.block_tables(r) for b in table if b >= 0
-    )
+    holders = Counter(b for r in live for table in manager.block_tables(r) for b in table if b >= 0)
     for block, count in holders.items():
         assert allocator.ref_count(block) == count, "reference count differs from holders"
     assert allocator.num_free + len(holders) == allocator.num_blocks, "a block leaked"

@@ -22,7 +22,7 @@ from cbgen.sampling import SamplingParams
 from cbgen.scheduler import (
     FifoScheduler,
     PrefillFirstScheduler,
-    ScheduledChunk,
+    ScheduledRequest,
     Scheduler,
     SchedulerOutput,
     make_scheduler,
@@ -34,7 +34,7 @@ class FakeModel:
 
     def __init__(self, block_size: int, scheduler: Scheduler) -> None:
         self.block_size = block_size
-        self.tables = scheduler.block_tables
+        self.scheduler = scheduler
         self.kv: dict[int, int] = {}  # flat slot -> fingerprint of the prefix it encodes
         self.host_kv: dict[int, int] = {}  # the same for the swap space's slots
         self.prefix_ids: dict[int, list[int]] = {}  # id(request) -> fingerprint per position
@@ -49,8 +49,8 @@ class FakeModel:
             ids.append(hash((ids[-1] if ids else 0, token)))
         return ids
 
-    def _slot(self, request: Request, position: int) -> int:
-        block = self.tables(request)[0][position // self.block_size]
+    def _slot(self, chunk: ScheduledRequest, position: int) -> int:
+        block = chunk.block_tables[0][position // self.block_size]
         return block * self.block_size + position % self.block_size
 
     def _copy(self, src: dict, dst: dict, src_blocks: list[int], dst_blocks: list[int]) -> None:
@@ -64,13 +64,17 @@ class FakeModel:
             self._copy(self.kv, self.host_kv, move.device_blocks, move.host_blocks)
         for move in out.swap_in:
             self._copy(self.host_kv, self.kv, move.host_blocks, move.device_blocks)
-        for chunk in out.chunks:
-            request = chunk.request
+        for chunk in out.scheduled:
+            request = _live(self.scheduler)[chunk.request_id]
             ids = self._fingerprints(request)
             for p in range(chunk.start):  # the context it attends to
-                assert self.kv.get(self._slot(request, p)) == ids[p], "stale or foreign K/V"
-            for p in range(chunk.start, chunk.start + chunk.num_tokens):
-                self.kv[self._slot(request, p)] = ids[p]
+                assert self.kv.get(self._slot(chunk, p)) == ids[p], "stale or foreign K/V"
+            for p in range(chunk.start, chunk.end):
+                self.kv[self._slot(chunk, p)] = ids[p]
+
+
+def _live(scheduler: Scheduler) -> dict[str, Request]:
+    return {r.request_id: r for r in scheduler.running + scheduler.swapped + scheduler.waiting}
 
 
 SAMPLED = 7
@@ -80,11 +84,10 @@ def _apply(scheduler: Scheduler, out: SchedulerOutput, model: FakeModel | None =
     if model is not None:
         model.run(out)
     finished = 0
-    for chunk in out.chunks:
-        chunk.request.num_computed_tokens += chunk.num_tokens
-    for chunk in out.chunks:
-        request = chunk.request
-        if request.num_computed_tokens == request.num_tokens:
+    live = _live(scheduler)
+    for chunk in out.scheduled:
+        request = live[chunk.request_id]
+        if chunk.sample:
             request.token_ids.append(7)
             if request.num_output_tokens >= request.params.max_new_tokens:
                 scheduler.finish(request, FinishReason.LENGTH)
@@ -116,12 +119,11 @@ def _blocks(scheduler: Scheduler, request: Request) -> list[int]:
     return scheduler.block_tables(request)[0]
 
 
-def _check_chunk_writes(scheduler: Scheduler, chunk: ScheduledChunk, block_size: int) -> None:
+def _check_chunk_writes(scheduler: Scheduler, chunk: ScheduledRequest, block_size: int) -> None:
     """A chunk only writes blocks it owns alone and that are not in the prefix cache."""
-    request = chunk.request
     first = chunk.start // block_size
-    last = -(-(chunk.start + chunk.num_tokens) // block_size)
-    for block in _blocks(scheduler, request)[first:last]:
+    last = -(-chunk.end // block_size)
+    for block in chunk.block_tables[0][first:last]:
         assert scheduler.allocator.ref_count(block) == 1, "a shared block would be written"
         assert scheduler.allocator.block_hash(block) is None, "a cached block would be written"
 
@@ -224,28 +226,24 @@ def test_every_request_finishes_without_leaks(
         assert keys == sorted(keys), "the queue is not in (priority, arrival) order"
         out = scheduler.schedule()
         waited = in_flight is not None  # an empty plan then only means "settle first"
-        if in_flight is not None and (out.swap_out or out.swap_in or not out.chunks):
-            finished += settle(in_flight)  # as the engine does before swap copies
-            in_flight = None
-            out.chunks = [c for c in out.chunks if not c.request.is_finished]
-            live = {r.request_id for r in scheduler.running + scheduler.swapped}
-            out.swap_out = [m for m in out.swap_out if m.request_id in live]
-            out.swap_in = [m for m in out.swap_in if m.request_id in live]
         assert out.num_tokens <= max_batch_tokens
         assert len(scheduler.running) <= max_num_seqs
-        assert len({id(c.request) for c in out.chunks}) == len(out.chunks)
-        for chunk in out.chunks:
-            request = chunk.request
+        assert len({c.request_id for c in out.scheduled}) == len(out.scheduled)
+        live = _live(scheduler)
+        for chunk in out.scheduled:
+            request = live[chunk.request_id]
             assert request.status is RequestStatus.RUNNING
             assert chunk.num_tokens >= 1
-            assert chunk.start + chunk.num_tokens <= request.num_tokens
-            needed = -(-(chunk.start + chunk.num_tokens) // block_size)
+            assert chunk.end <= request.num_tokens
+            assert request.num_computed_tokens == chunk.end, "tokens not counted as computed"
+            needed = -(-chunk.end // block_size)
             assert len(_blocks(scheduler, request)) >= needed, "chunk scheduled without its blocks"
+            assert all(len(t) == needed for t in chunk.block_tables)
             _check_chunk_writes(scheduler, chunk, block_size)
         if scheduler.has_unfinished() and not pending and not waited:
-            assert out.chunks, "the scheduler stalled with work left"
-        model.run(out)
-        launched = processor.advance(out) if out.chunks else None
+            assert out.scheduled, "the scheduler stalled with work left"
+        model.run(out)  # the engine waits for the step in flight before swap copies
+        launched = processor.advance(out, live) if out.scheduled else None
         if in_flight is not None:
             finished += settle(in_flight)
         in_flight = None
@@ -283,7 +281,7 @@ def test_decodes_come_before_new_prefill():
     _apply(scheduler, scheduler.schedule())  # whole prompt, first token sampled
     scheduler.add(_request("b", [4] * 50, 1, max_new=5))
     out = scheduler.schedule()
-    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
+    assert [(c.request_id, c.num_tokens) for c in out.scheduled] == [("a", 1), ("b", 9)]
 
 
 def test_prefill_first_admits_before_decoding():
@@ -293,12 +291,12 @@ def test_prefill_first_admits_before_decoding():
     _apply(scheduler, scheduler.schedule())
     scheduler.add(_request("b", [4] * 50, 1, max_new=5))
     out = scheduler.schedule()
-    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("b", 10)]
+    assert [(c.request_id, c.num_tokens) for c in out.scheduled] == [("b", 10)]
     # b is now a running prefill: it keeps going first; a decodes with what is left.
     scheduler.add(_request("c", [5] * 3, 2, max_new=5))
     _apply(scheduler, out)
     out = scheduler.schedule()
-    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("b", 10)]
+    assert [(c.request_id, c.num_tokens) for c in out.scheduled] == [("b", 10)]
 
 
 def test_prefill_first_leaves_the_decodes_their_blocks():
@@ -310,7 +308,7 @@ def test_prefill_first_leaves_the_decodes_their_blocks():
     _apply(scheduler, scheduler.schedule())  # token 12 computed, 13 known
     scheduler.add(_request("b", [4] * 2, 1))
     out = scheduler.schedule()
-    assert [c.request.request_id for c in out.chunks] == ["a"] and not out.preempted
+    assert [c.request_id for c in out.scheduled] == ["a"] and not out.preempted
     assert [r.request_id for r in scheduler.waiting] == ["b"]
 
 
@@ -325,8 +323,8 @@ def test_preemption_picks_the_newest_and_requeues_it_first():
     # old needs a 3rd block and takes the last free one; new then needs a 4th, finds
     # none, and since old is already scheduled, new preempts itself.
     out = scheduler.schedule()
-    assert [c.request for c in out.chunks] == [old]
-    assert out.preempted == [new]
+    assert [c.request_id for c in out.scheduled] == ["old"]
+    assert out.preempted == ["new"]
     assert new.status is RequestStatus.WAITING and _blocks(scheduler, new) == []
     assert scheduler.waiting[0] is new
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 1
@@ -341,7 +339,7 @@ def test_waiting_queue_is_served_by_priority_then_arrival(policy):
     order = []
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        order += [c.request.request_id for c in out.chunks]
+        order += [c.request_id for c in out.scheduled]
         _apply(scheduler, out)
     assert order == ["p0a", "p0b", "p1", "p2"]
 
@@ -359,8 +357,8 @@ def test_preemption_victim_is_the_lowest_priority_then_newest(policy):
     out = scheduler.schedule()  # every decode needs a 3rd block
     # urgent goes first and takes the free block; low_old needs one and preempts
     # low_new (same priority, newer), never urgent.
-    assert [c.request.request_id for c in out.chunks] == ["urgent", "low_old"]
-    assert out.preempted == [low_new]
+    assert [c.request_id for c in out.scheduled] == ["urgent", "low_old"]
+    assert out.preempted == ["low_new"]
     assert scheduler.stats["preemptions"] == 1
 
 
@@ -378,7 +376,7 @@ def test_prefix_cache_reuse_caps_at_the_last_prompt_token():
     out = scheduler.schedule()
     # b's whole prompt is cached but its last token must be computed: it reuses 2 blocks
     # and recomputes block 3 into a fresh block; c reuses all 3 and computes 2 tokens.
-    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [
+    assert [(c.request_id, c.start, c.num_tokens) for c in out.scheduled] == [
         ("b", 8, 4),
         ("c", 12, 2),
     ]
@@ -397,10 +395,10 @@ def test_same_prefix_in_one_step_is_computed_once():
     scheduler.add(a)
     scheduler.add(b)
     out = scheduler.schedule()
-    assert [c.request.request_id for c in out.chunks] == ["a"]  # b waits for a's blocks
+    assert [c.request_id for c in out.scheduled] == ["a"]  # b waits for a's blocks
     _apply(scheduler, out)
     out = scheduler.schedule()
-    assert [(c.request.request_id, c.start) for c in out.chunks] == [("a", 9), ("b", 8)]
+    assert [(c.request_id, c.start) for c in out.scheduled] == [("a", 9), ("b", 8)]
     assert b.num_cached_tokens == 8
 
 
@@ -438,8 +436,8 @@ def test_waiting_request_of_higher_priority_preempts_a_running_one(policy):
     urgent = _request("urgent", [8] * 5, 3, max_new=1, priority=0)
     scheduler.add(urgent)
     out = scheduler.schedule()
-    assert out.preempted == [low[1]]  # the newest of the lowest priority
-    assert urgent in [c.request for c in out.chunks]
+    assert out.preempted == ["low1"]  # the newest of the lowest priority
+    assert "urgent" in [c.request_id for c in out.scheduled]
     assert low[1].status is RequestStatus.WAITING and _blocks(scheduler, low[1]) == []
     _apply(scheduler, out)
     while scheduler.has_unfinished():

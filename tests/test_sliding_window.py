@@ -157,11 +157,12 @@ def test_windowed_scheduler_keeps_exactly_what_queries_read(
     steps = 0
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        assert out.chunks
-        for chunk in out.chunks:
-            request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+        assert out.scheduled
+        live = {r.request_id: r for r in scheduler.running}
+        for chunk in out.scheduled:
+            request, start, end = live[chunk.request_id], chunk.start, chunk.end
             tables = scheduler.block_tables(request)
-            assert chunk.block_tables is None or chunk.block_tables == tables
+            assert chunk.block_tables == [t[: -(-end // bs)] for t in tables]
             for group, blocks in zip(groups, tables, strict=True):
                 first = 0 if group.window is None else max(0, start - group.window + 1)
                 for p in range(first, end):  # every key this chunk reads or writes is held
@@ -178,11 +179,9 @@ def test_windowed_scheduler_keeps_exactly_what_queries_read(
         )
         assert all(allocator.ref_count(b) == c for b, c in holders.items())
         assert allocator.num_used == len(holders) == sum(holders.values())
-        for chunk in out.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
-        for chunk in out.chunks:
-            request = chunk.request
-            if request.num_computed_tokens == request.num_tokens:
+        for chunk in out.scheduled:
+            request = live[chunk.request_id]
+            if chunk.sample:
                 request.token_ids.append(7)
                 if request.num_output_tokens >= request.params.max_new_tokens:
                     scheduler.finish(request, FinishReason.LENGTH)
@@ -221,8 +220,8 @@ def test_decode_past_the_window_with_bounded_blocks(windowed, kernel):
     def check(engine: EngineCore, scheduled) -> None:
         total = sum(sum(_held(engine, r)) for r in engine.scheduler.running)
         assert engine.allocator.num_used == total  # nothing else is held
-        for chunk in scheduled.chunks:
-            held = _held(engine, chunk.request)
+        for chunk in scheduled.scheduled:
+            held = _held(engine, engine._requests[chunk.request_id])
             end = chunk.start + chunk.num_tokens
             for group, count in zip(engine.cache_groups, held, strict=True):
                 if not group.is_windowed:

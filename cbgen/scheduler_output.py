@@ -1,0 +1,81 @@
+"""What the scheduler hands the executor for one step: plain values, no live ``Request``.
+
+The executor (batch builder, runner, sampler) sees, per scheduled request, the ids of the
+tokens to run, where they start, the blocks that hold them in every cache group and how
+to sample; it never reads or writes a ``Request``. That keeps one writer per request
+field (the scheduler for status and computed tokens, the output processor for tokens)
+and lets a step be built, launched and sampled while the core plans the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache.kv_cache_manager import BlockMove
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """``len(token_ids)`` new tokens of one request, at positions ``start ..``.
+
+    The count is the scheduler's decision: a prompt chunk, 1 for a plain decode, or
+    1 + k when k proposed tokens are verified; nothing above the attention backend
+    tells these apart. ``sample``: the logits of the last token are sampled (the
+    chunk reaches the request's last known token). ``carry``: with async scheduling
+    the token at ``token_ids[offset]`` is a placeholder for row ``row`` of the
+    previous step's samples, filled on the device before the forward pass.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_tables: list[list[int]]  # per cache group, enough blocks for these tokens
+    sample: bool
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    history: list[int] | None = None  # every token so far, for per-request processors
+    carry: tuple[int, int] | None = None  # (offset in token_ids, row of previous samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        """The position after the last of these tokens (the context length they attend)."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decisions. The block copies must run before the step's forward pass:
+    every ``swap_out`` first (they read blocks this step may hand to others), then
+    every ``swap_in``. ``preempted``: ids of requests preempted while planning it."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    swap_out: list[BlockMove] = field(default_factory=list)
+    swap_in: list[BlockMove] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def sampled(self) -> list[ScheduledRequest]:
+        """The requests that get a token from this step, in logits-row order."""
+        return [s for s in self.scheduled if s.sample]
+
+    def drop(self, request_ids: set[str]) -> None:
+        """Forget the parts of the plan of requests that finished before it ran."""
+        if request_ids:
+            self.scheduled = [s for s in self.scheduled if s.request_id not in request_ids]
+            self.swap_out = [m for m in self.swap_out if m.request_id not in request_ids]
+            self.swap_in = [m for m in self.swap_in if m.request_id not in request_ids]
