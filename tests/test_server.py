@@ -515,7 +515,7 @@ def test_malformed_bodies_get_400(server):
     tiny = server.client.completions.create(**kw, temperature=1e-40).choices[0].text
     assert tiny == greedy and tiny
     # a prompt longer than any tokenization could fit is refused before tokenizing
-    chars = server.app_server.max_prompt_chars + 1
+    chars = server.app_server.translator.max_prompt_chars + 1
     resp = server.http.post(
         "/v1/completions",
         json={"model": MODEL, "prompt": "a" * chars, "max_tokens": 1},
@@ -569,7 +569,7 @@ def test_queue_bounds_answer_429(server):
         config.max_waiting_requests = None
     wait_idle(engine)
     # a server-wide cap on max_tokens
-    server.app_server.max_tokens_limit = 4
+    server.app_server.translator.max_tokens_limit = 4
     try:
         resp = server.http.post(
             "/v1/completions",
@@ -584,7 +584,7 @@ def test_queue_bounds_answer_429(server):
         )
         assert r.usage.completion_tokens == 4
     finally:
-        server.app_server.max_tokens_limit = None
+        server.app_server.translator.max_tokens_limit = None
 
 
 def test_cli_parses_serve():

@@ -11,248 +11,30 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
-from ..sysmem import cpu_name, meminfo_kib, proc_status_kib
+from ..sysmem import cpu_name, meminfo_kib
 from . import metrics
+from .args import DEFAULT_REPEATS, add_arguments, parse_cpus, parse_engine_options, split_list
+from .machine import choose_cpus, process_env, versions
 from .peers import PEERS, bundled_gguf
+from .supervisor import ProcessOutcome, run_process, tail
 from .systems import SYSTEMS
 from .workloads import Workload, bench_dir, build_workload, load_tokenizer, resolve_model
 
-DEFAULT_REPEATS = 3
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    w = parser.add_argument_group("what to run")
-    w.add_argument(
-        "--workload",
-        action="append",
-        dest="workloads",
-        metavar="NAME",
-        help="a workload of bench/workloads.json (repeatable; default: all)",
-    )
-    w.add_argument("--list", action="store_true", help="list the workloads and exit")
-    w.add_argument(
-        "--systems",
-        default=",".join(SYSTEMS),
-        help=f"comma-separated, from {','.join(SYSTEMS)} (default: all)",
-    )
-    w.add_argument(
-        "--peers",
-        default="",
-        help=f"comma-separated, from {','.join(PEERS)}: each needs its venv (bench/peers/)",
-    )
-    w.add_argument("--model", default="smollm2", help="bundled name, HF folder or .gguf file")
-    w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    w.add_argument("--quick", action="store_true", help="few prompts, few tokens, 1 repeat")
-    w.add_argument("--repeats", type=int, help=f"timed runs per system (default {DEFAULT_REPEATS})")
-    w.add_argument("--num-prompts", type=int, help="override every workload's prompt count")
-    w.add_argument("--max-new-tokens", type=int, help="override every workload's length")
-    w.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
-
-    m = parser.add_argument_group("machine")
-    m.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads per system")
-    m.add_argument(
-        "--cpus", help="cores to pin every system to, e.g. 0-1 or 2,3 (default: first --threads)"
-    )
-    m.add_argument(
-        "--isolation",
-        choices=["workload", "system", "none"],
-        default="workload",
-        help="a process per workload and system (default), per system, or none (in this "
-        "process: no per-system peak RSS)",
-    )
-    m.add_argument("--timeout", type=float, default=7200.0, help="seconds allowed per process")
-    m.add_argument(
-        "--max-rss-gib",
-        type=float,
-        help="kill a system whose RSS passes this (default: 90%% of available memory)",
-    )
-
-    c = parser.add_argument_group("systems' settings")
-    c.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    c.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
-    c.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    c.add_argument("--num-blocks", type=int, help="cbgen KV cache blocks (default: by memory)")
-    c.add_argument(
-        "--engine-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="another cbgen EngineConfig field, VALUE as JSON (repeatable)",
-    )
-    c.add_argument("--generate-batch-size", type=int, default=8, help="model.generate batch size")
-    c.add_argument(
-        "--tuned-page-size", type=int, help="generate_batch_tuned page size (default: --block-size)"
-    )
-    c.add_argument(
-        "--tuned-attn",
-        choices=["sdpa", "eager"],
-        help="generate_batch_tuned attention: sdpa or eager (paged|eager); default the model's",
-    )
-
-    o = parser.add_argument_group("output")
-    o.add_argument("--out", type=Path, help="output folder (default bench/results/<timestamp>/)")
-    o.add_argument("--no-roofline", action="store_true", help="skip the matmul roofline")
-    o.add_argument("--roofline-m", type=int, default=64, help="rows of the roofline matmuls")
-
-
-# -- helpers -------------------------------------------------------------------------------
-
-
-def parse_cpus(text: str) -> list[int]:
-    cpus: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            low, high = part.split("-")
-            cpus.update(range(int(low), int(high) + 1))
-        else:
-            cpus.add(int(part))
-    return sorted(cpus)
-
-
-def parse_engine_options(items: list[str]) -> dict[str, Any]:
-    """``["enable_prefix_caching=false", "scheduler_policy=fifo"]`` -> a dict; values are
-    JSON where they parse as JSON, else strings."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"cbgen bench: --engine-option wants KEY=VALUE, got {item!r}")
-        try:
-            options[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key.strip()] = value
-    return options
-
-
-def choose_cpus(args: argparse.Namespace) -> list[int]:
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if args.cpus:
-        return parse_cpus(args.cpus)
-    if not allowed:
-        return []
-    return allowed[: max(1, min(args.threads, len(allowed)))]
-
-
-def _split(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": platform.python_version()}
-    for package in ("cbgen", "torch", "transformers"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            pass
-    try:
-        root = Path(__file__).resolve().parents[2]
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-        if commit:
-            found["git"] = commit + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return found
-
-
-@dataclass
-class ProcessOutcome:
-    returncode: int | None
-    peak_rss_kib: int | None
-    wall_s: float
-    killed: str | None = None
-
-
-def run_process(
-    command: list[str],
-    *,
-    env: dict[str, str],
-    cpus: list[int],
-    log_path: Path,
-    timeout: float,
-    max_rss_kib: int | None,
-) -> ProcessOutcome:
-    """Run ``command`` pinned to ``cpus``; return its exit code and its own peak RSS.
-
-    The peak is the child's ``VmHWM`` (its resident high-water mark, which starts afresh at
-    ``exec``), polled from ``/proc`` while it runs; the worker also reports its final
-    ``VmHWM`` itself. (``wait4``'s ``ru_maxrss`` would not do: it keeps the RSS the child
-    inherited at ``fork``, i.e. this harness's own.) The process is killed if it outlives
-    ``timeout`` or its RSS passes ``max_rss_kib``, so one runaway system cannot take the
-    machine down.
-    """
-
-    def pin() -> None:
-        if cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
-
-    started = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=pin,
-            start_new_session=True,
-        )
-    killed = None
-    peak = None
-    while True:
-        pid, status = os.waitpid(process.pid, os.WNOHANG)
-        if pid == process.pid:
-            break
-        hwm = proc_status_kib("VmHWM", process.pid)
-        if hwm is not None:
-            peak = max(peak or 0, hwm)
-        rss = proc_status_kib("VmRSS", process.pid)
-        elapsed = time.perf_counter() - started
-        if killed is None and elapsed > timeout:
-            killed = f"timed out after {timeout:.0f} s"
-        elif killed is None and max_rss_kib and rss and rss > max_rss_kib:
-            killed = f"RSS passed the limit of {max_rss_kib / 2**20:.1f} GiB"
-        if killed is not None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return ProcessOutcome(process.returncode, peak, time.perf_counter() - started, killed)
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
+__all__ = [
+    "DEFAULT_REPEATS",
+    "Bench",
+    "ProcessOutcome",
+    "add_arguments",
+    "choose_cpus",
+    "parse_cpus",
+    "parse_engine_options",
+    "run",
+    "run_process",
+]
 
 # -- the run -------------------------------------------------------------------------------
 
@@ -289,18 +71,7 @@ class Bench:
     # processes
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        threads = str(self.threads)
-        env.update(
-            OMP_NUM_THREADS=threads,
-            MKL_NUM_THREADS=threads,
-            OPENBLAS_NUM_THREADS=threads,
-            TOKENIZERS_PARALLELISM="false",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_VERBOSITY="error",
-            PYTHONUNBUFFERED="1",
-        )
-        return env
+        return process_env(self.threads)
 
     def spec(self, kind: str, system: str | None, workloads: list[Workload]) -> dict[str, Any]:
         folder, _ = resolve_model(self.args.model)
@@ -353,20 +124,20 @@ class Bench:
         )
         if outcome.killed or outcome.returncode != 0 or not result_path.exists():
             why = outcome.killed or f"exit code {outcome.returncode}"
-            return None, outcome, f"{why}; log {log_path}:\n{_tail(log_path)}"
+            return None, outcome, f"{why}; log {log_path}:\n{tail(log_path)}"
         return json.loads(result_path.read_text(encoding="utf-8")), outcome, None
 
     # the whole run
 
     def run(self) -> dict[str, Any]:
         args = self.args
-        systems = _split(args.systems)
+        systems = split_list(args.systems)
         for system in systems:
             if system not in SYSTEMS:
                 raise SystemExit(
                     f"cbgen bench: unknown system {system!r}; known: {', '.join(SYSTEMS)}"
                 )
-        peers = _split(args.peers)
+        peers = split_list(args.peers)
         for peer in peers:
             if peer not in PEERS:
                 raise SystemExit(f"cbgen bench: unknown peer {peer!r}; known: {', '.join(PEERS)}")
@@ -453,7 +224,7 @@ class Bench:
             "engine_config": self.engine_config,
             "generate_batch_size": self.args.generate_batch_size,
             "tuned_page_size": self.args.tuned_page_size,
-            "versions": _versions(),
+            "versions": versions(),
             "rss_note": rss_note,
             "command": " ".join(["python -m cbgen bench", *sys.argv[2:]])
             if len(sys.argv) > 1 and sys.argv[1] == "bench"

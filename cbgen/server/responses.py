@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+import uuid
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -26,6 +28,12 @@ class ResponseShape:
         self.call_id = call_id
         self.created = created
         self.model = model
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> ResponseShape:
+        """The shape of a new call: a fresh id (``chatcmpl-...`` or ``cmpl-...``), made now."""
+        prefix = "chatcmpl" if chat else "cmpl"
+        return cls(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
 
     def chunk_head(self) -> dict[str, Any]:
         head: dict[str, Any] = {
@@ -53,6 +61,11 @@ class ResponseShape:
             "logprobs": None,
             "finish_reason": None,
         }
+
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
+        """What a stream of ``n`` choices sends before any text: one role chunk per chat
+        choice; nothing for a completion."""
+        return [self.role_choice(index) for index in range(n)] if self.chat else []
 
     def response(self, finals: list[Any], usage: dict[str, int]) -> dict[str, Any]:
         """The whole answer of a call that was not streamed."""
