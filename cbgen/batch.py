@@ -22,7 +22,7 @@ class StepBatch:
     position_ids: torch.Tensor  # [1, tokens]
     logits_indices: torch.Tensor  # [samples] rows whose logits are sampled
     attention: AttentionMetadata
-    sampled: list[ScheduledRequest]  # one per logits row, same order
+    sampled: list[ScheduledRequest]  # one per logits row, same order (repeated per draft)
     # Async scheduling: input rows holding a placeholder, and the row of the previous
     # step's samples whose token goes there (filled on the device before the forward).
     carry_rows: torch.Tensor | None = None
@@ -117,8 +117,9 @@ class BatchBuilder:
             else:
                 prefill_spans.append((row, count, context_len))
             if chunk.sample:
-                logits_indices.append(row + count - 1)
-                sampled.append(chunk)
+                rows = chunk.num_sampled  # the last token, and one per draft before it
+                logits_indices.extend(range(row + count - rows, row + count))
+                sampled.extend([chunk] * rows)
 
         device = self.device
         group_tables = [self._group_tables(group_lists) for group_lists in lists]

@@ -114,6 +114,7 @@ class EngineCore:
             model_limit = 1 << 62
         self.max_model_len = model_limit if cache_limit is None else min(model_limit, cache_limit)
         self.output_processor = OutputProcessor(_model_eos_ids(model), self.max_model_len)
+        self.scheduler.max_model_len = self.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
         self._requests: dict[str, Request] = {}

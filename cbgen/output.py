@@ -16,11 +16,23 @@ row gets the real id on the device, and ``resolve`` writes it into ``token_ids``
 
 @dataclass
 class PendingSamples:
-    """The requests a launched step samples for, in logits-row order, and where each
-    request's placeholder sits in its ``token_ids``."""
+    """The requests a launched step samples for, in logits-row order, where each
+    request's placeholder sits in its ``token_ids``, and the proposed tokens each
+    verifies (one logits row per draft, then one for the token after them)."""
 
     requests: list[Request]
     positions: list[int]
+    drafts: list[list[int]] | None = None  # None: no request verifies proposals
+
+    def rows(self) -> list[tuple[int, list[int]]]:
+        """Per request: its first logits row and its drafts."""
+        if self.drafts is None:
+            return [(row, []) for row in range(len(self.requests))]
+        out, row = [], 0
+        for drafts in self.drafts:
+            out.append((row, drafts))
+            row += 1 + len(drafts)
+        return out
 
 
 class OutputProcessor:
@@ -47,14 +59,20 @@ class OutputProcessor:
         self, scheduled: SchedulerOutput, requests: Mapping[str, Request]
     ) -> PendingSamples:
         """``requests``: the unfinished requests by id (the step's are among them)."""
-        sampled = [requests[s.request_id] for s in scheduled.scheduled if s.sample]
+        chunks = scheduled.sampled
+        sampled = [requests[s.request_id] for s in chunks]
+        drafts = None
+        if any(s.num_drafts for s in chunks):
+            drafts = [s.token_ids[len(s.token_ids) - s.num_drafts :] for s in chunks]
         positions = []
-        for row, request in enumerate(sampled):
+        row = 0
+        for request, chunk in zip(sampled, chunks, strict=True):
             positions.append(len(request.token_ids))
             request.token_ids.append(PLACEHOLDER_TOKEN)
             request.pending_index = positions[-1]
             request.pending_row = row
-        return PendingSamples(sampled, positions)
+            row += chunk.num_sampled
+        return PendingSamples(sampled, positions, drafts)
 
     def resolve(
         self,
@@ -72,21 +90,32 @@ class OutputProcessor:
         """
         outputs: list[RequestOutput] = []
         finished: list[tuple[Request, FinishReason]] = []
-        rows = zip(pending.requests, pending.positions, sampled_tokens, strict=True)
-        for row, (request, position, token) in enumerate(rows):
+        rows = zip(pending.requests, pending.positions, pending.rows(), strict=True)
+        for request, position, (row, drafts) in rows:
             if request.pending_index == position:
                 request.pending_index = None
             if request.is_finished:
                 continue
-            error = errors.get(row) if errors else None
+            error = None
+            if errors:
+                error = next(
+                    (errors[r] for r in range(row, row + 1 + len(drafts)) if r in errors), None
+                )
+            new: list[int] = []
+            reason: FinishReason | None = None
             if error is not None:
-                reason: FinishReason | None = FinishReason.ERROR
+                reason = FinishReason.ERROR
                 del request.token_ids[position:]
                 end = position
             else:
-                request.token_ids[position] = token
-                reason = self._finish_reason(request, token, position)
-                end = position + 1
+                new = _accepted(sampled_tokens[row : row + 1 + len(drafts)], drafts)
+                request.token_ids[position : position + 1] = new
+                for index, token in enumerate(new):
+                    reason = self._finish_reason(request, token, position + index)
+                    if reason is not None:
+                        del new[index + 1 :]
+                        break
+                end = position + len(new)
                 if reason is not None:
                     del request.token_ids[end:]  # tokens planned past the end
             if reason is not None:
@@ -99,7 +128,7 @@ class OutputProcessor:
                     token_ids=request.token_ids[request.num_prompt_tokens : end],
                     finished=reason is not None,
                     finish_reason=reason,
-                    new_token_ids=[] if error is not None else [token],
+                    new_token_ids=new,
                     error=error,
                     num_cached_tokens=request.num_cached_tokens,
                 )
@@ -118,3 +147,16 @@ class OutputProcessor:
         if position + 1 >= self.max_model_len:
             return FinishReason.CONTEXT_LIMIT
         return None
+
+
+def _accepted(tokens: list[int], drafts: list[int]) -> list[int]:
+    """The tokens a step adds when it verified ``drafts``: every draft up to the first
+    that differs from the token sampled at its position, then the sampled token there.
+
+    Each sampled token is drawn from the target model given all tokens before it, so
+    keeping drafts only while they equal the samples yields exactly the tokens plain
+    decoding would sample (greedy: the same tokens; sampled: the same distribution)."""
+    accepted = 0
+    while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+        accepted += 1
+    return tokens[: accepted + 1]

@@ -63,6 +63,9 @@ class Request:
     # ``token_ids`` (None: every token is known), and its row in that step's samples.
     pending_index: int | None = None
     pending_row: int = 0
+    # Proposed continuation (speculative decoding): written by a proposer before each
+    # step, verified in the request's next step (``cbgen.scheduler``), never trusted.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -125,6 +125,7 @@ class Scheduler:
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_model_len: int | None = None  # proposals never run past it (the engine's)
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # sorted by (priority, arrival)
@@ -180,10 +181,21 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.kv.release_host(request)
+        self._discard_rejected(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free_swapped_in()  # the step that read them is over
+
+    def _discard_rejected(self, request: Request) -> None:
+        """Forget the K/V of rejected proposals: computed positions past the request's
+        last known token held tokens the output processor did not accept (the accepted
+        ones and the token after them are its last tokens now). Their blocks go back and
+        nothing of them is registered in the prefix cache."""
+        last = request.num_tokens - 1
+        if request.num_computed_tokens > last and request.pending_index is None:
+            request.num_computed_tokens = max(last, 0)
+            self.kv.rollback(request, request.num_computed_tokens)
 
     # -- the step ---------------------------------------------------------------------
 
@@ -191,6 +203,8 @@ class Scheduler:
         out = SchedulerOutput()
         kv = self.kv
         kv.free_swapped_in()
+        for request in self.running:
+            self._discard_rejected(request)
         if kv.enable_prefix_caching:
             for request in self.running:
                 kv.register_computed(request)
@@ -260,9 +274,21 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_tokens = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if num_tokens == 1 and request.draft_token_ids:
+                num_tokens += self._num_drafts(request, step.budget - 1)
             if not self._reserve_or_preempt(request, num_tokens, step, out):
                 continue
             self._add_chunk(request, num_tokens, step, out)
+
+    def _num_drafts(self, request: Request, room: int) -> int:
+        """How many of ``request``'s proposed tokens to verify this step: none with a token
+        still being sampled, and never past ``max_new_tokens`` or the context limit."""
+        if request.pending_index is not None or request.params.logits_processors:
+            return 0
+        left = request.params.max_new_tokens - request.num_output_tokens - 1
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - request.num_tokens - 1)
+        return max(0, min(len(request.draft_token_ids), room, left))
 
     def _admit(self, step: _Step, out: SchedulerOutput, reserve: int) -> None:
         """Start waiting requests; ``reserve`` blocks stay free for this step's decodes."""
@@ -304,12 +330,14 @@ class Scheduler:
         bs = self.block_size
         for request, start, count in step.chunks:
             end = start + count
+            known = min(end, request.num_tokens)
+            drafts = request.draft_token_ids[: end - known]
             pending = request.pending_index
             carry = None
             if pending is not None and start <= pending < end:
                 carry = (pending - start, request.pending_row)
             if start == request.num_tokens - 1 and request.num_output_tokens > 0:
-                self.stats["decode_tokens"] += 1
+                self.stats["decode_tokens"] += count
             else:
                 self.stats["prefill_tokens"] += count
             num_blocks = -(-end // bs)
@@ -317,14 +345,15 @@ class Scheduler:
             out.scheduled.append(
                 ScheduledRequest(
                     request.request_id,
-                    request.token_ids[start:end],
+                    request.token_ids[start:known] + drafts,
                     start,
                     [table[:num_blocks] for table in self.kv.block_tables(request)],
-                    sample=end == request.num_tokens,
+                    sample=known == request.num_tokens,
                     params=params,
                     generator=request.generator,
                     history=list(request.token_ids) if params.logits_processors else None,
                     carry=carry,
+                    num_drafts=len(drafts),
                 )
             )
             request.num_computed_tokens = end

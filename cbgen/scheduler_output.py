@@ -22,9 +22,10 @@ class ScheduledRequest:
     """``len(token_ids)`` new tokens of one request, at positions ``start ..``.
 
     The count is the scheduler's decision: a prompt chunk, 1 for a plain decode, or
-    1 + k when k proposed tokens are verified; nothing above the attention backend
-    tells these apart. ``sample``: the logits of the last token are sampled (the
-    chunk reaches the request's last known token). ``carry``: with async scheduling
+    1 + k when k proposed tokens are verified (the last ``num_drafts`` of
+    ``token_ids``); nothing above the attention backend tells these apart.
+    ``sample``: the chunk reaches the request's last known token, so the logits of its
+    last ``1 + num_drafts`` tokens are sampled. ``carry``: with async scheduling
     the token at ``token_ids[offset]`` is a placeholder for row ``row`` of the
     previous step's samples, filled on the device before the forward pass.
     """
@@ -38,6 +39,12 @@ class ScheduledRequest:
     generator: torch.Generator | None = None
     history: list[int] | None = None  # every token so far, for per-request processors
     carry: tuple[int, int] | None = None  # (offset in token_ids, row of previous samples)
+    num_drafts: int = 0
+
+    @property
+    def num_sampled(self) -> int:
+        """Logits rows this request samples: one per draft, plus the token after them."""
+        return 1 + self.num_drafts if self.sample else 0
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +77,7 @@ class SchedulerOutput:
 
     @property
     def sampled(self) -> list[ScheduledRequest]:
-        """The requests that get a token from this step, in logits-row order."""
+        """The requests that get tokens from this step, in logits-row order."""
         return [s for s in self.scheduled if s.sample]
 
     def drop(self, request_ids: set[str]) -> None:
