@@ -26,6 +26,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check cbgen tests bench
 	$(PY) -m ruff format --check cbgen tests bench
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

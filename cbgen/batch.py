@@ -117,9 +117,9 @@ class BatchBuilder:
             else:
                 prefill_spans.append((row, count, context_len))
             if chunk.sample:
-                rows = chunk.num_sampled  # the last token, and one per draft before it
-                logits_indices.extend(range(row + count - rows, row + count))
-                sampled.extend([chunk] * rows)
+                num_rows = chunk.num_sampled  # the last token, and one per draft before it
+                logits_indices.extend(range(row + count - num_rows, row + count))
+                sampled.extend([chunk] * num_rows)
 
         device = self.device
         group_tables = [self._group_tables(group_lists) for group_lists in lists]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner, model_device
 from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput, make_scheduler
+from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +297,7 @@ class EngineCore:
         a swap-out reads). A failed copy costs only its own request: it is recomputed."""
         swap = self.swap_space
         assert swap is not None
+        copies: list[tuple[BlockMove, Callable[[list[int], list[int]], None], list[int], list[int]]]
         copies = [(m, swap.copy_out, m.device_blocks, m.host_blocks) for m in scheduled.swap_out]
         copies += [(m, swap.copy_in, m.host_blocks, m.device_blocks) for m in scheduled.swap_in]
         for move, copy, src, dst in copies:

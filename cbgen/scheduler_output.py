@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache.kv_cache_manager import BlockMove
+from .request import Request
 from .sampling import SamplingParams
 
 
@@ -45,6 +46,39 @@ class ScheduledRequest:
     def num_sampled(self) -> int:
         """Logits rows this request samples: one per draft, plus the token after them."""
         return 1 + self.num_drafts if self.sample else 0
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        start: int,
+        count: int,
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> ScheduledRequest:
+        """``count`` tokens of ``request`` from position ``start``: its known tokens, then
+        as many of its proposed ones as the count reaches past them."""
+        end = start + count
+        known = min(end, request.num_tokens)
+        drafts = request.draft_token_ids[: end - known]
+        pending = request.pending_index
+        carry = None
+        if pending is not None and start <= pending < end:
+            carry = (pending - start, request.pending_row)
+        num_blocks = -(-end // block_size)
+        params = request.params
+        return cls(
+            request.request_id,
+            request.token_ids[start:known] + drafts,
+            start,
+            [table[:num_blocks] for table in block_tables],
+            sample=known == request.num_tokens,
+            params=params,
+            generator=request.generator,
+            history=list(request.token_ids) if params.logits_processors else None,
+            carry=carry,
+            num_drafts=len(drafts),
+        )
 
     @property
     def num_tokens(self) -> int:

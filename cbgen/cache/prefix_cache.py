@@ -81,7 +81,7 @@ def prefix_caching_unsupported_reason(
             return None
         layers = sum(len(g.layers) for g in windowed)
         total = sum(len(g.layers) for g in groups)
-        windows = sorted({g.window for g in windowed})
+        windows = sorted({g.window for g in windowed if g.window is not None})
         sizes = ", ".join(str(w) for w in windows)
         return f"{layers} of {total} layers use a sliding window ({sizes})"
     config = model_config

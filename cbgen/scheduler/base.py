@@ -36,13 +36,11 @@ from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .cache.allocator import BlockAllocator
-from .cache.groups import CacheGroup
-from .cache.kv_cache_manager import BlockMove, InFlightBlocks, KVCacheManager
-from .request import FinishReason, Request, RequestStatus
-from .scheduler_output import ScheduledRequest, SchedulerOutput
-
-__all__ = ["BlockMove", "ScheduledRequest", "Scheduler", "SchedulerOutput", "make_scheduler"]
+from ..cache.allocator import BlockAllocator
+from ..cache.groups import CacheGroup
+from ..cache.kv_cache_manager import BlockMove, InFlightBlocks, KVCacheManager
+from ..request import FinishReason, Request, RequestStatus
+from ..scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -79,23 +77,19 @@ class Scheduler:
     the one asking) is preempted: its blocks go back and it rejoins the queue, to
     be recomputed later (from the prefix cache, if its blocks survive).
 
-    Prefix caching (``enable_prefix_caching``): once a request's block is full and
-    computed it is registered under its chain hash; at admission a request takes
-    the longest run of cached blocks of its prefix (shared and read-only), capped
-    at ``num_tokens - 1`` tokens rounded down to whole blocks, so the last token is
-    always computed (its logits are sampled) and it lands in a block of its own:
-    a shared block is never written, so no copy-on-write is needed. A request
-    whose next uncached block is being computed by another request in this very
-    step waits a step and then reuses it instead of computing it twice.
+    Prefix caching, swap and windows are the ``KVCacheManager``'s (``self.kv``): a
+    request admitted takes the cached blocks of its prefix, and one whose next
+    uncached block another request computes in this very step waits a step to reuse it.
+
+    A decoding request with proposed tokens (``draft_token_ids``) is given 1 + k
+    tokens; at the next step (or at its finish) the computed positions past its last
+    known token, the rejected proposals, are rolled back.
 
     ``stats`` counts ``prefill_tokens`` (computed tokens that were not decodes),
     ``decode_tokens``, ``cached_tokens`` (taken from the cache at admission) and
     ``preemptions``.
 
-    ``groups`` are the cache groups (default: one full-attention group). Block
-    counts are summed over groups; sliding-window groups drop their out-of-window
-    blocks at the start of every step. Prefix caching needs a single
-    full-attention group and is switched off otherwise.
+    ``groups`` are the cache groups (default: one full-attention group).
     """
 
     policy = "fifo"
@@ -327,36 +321,16 @@ class Scheduler:
     def _emit(self, step: _Step, out: SchedulerOutput) -> None:
         """Write the step's chunks into ``out`` as values and count their tokens as
         computed (the K/V is written by the time anything reads it: steps run in order)."""
-        bs = self.block_size
         for request, start, count in step.chunks:
-            end = start + count
-            known = min(end, request.num_tokens)
-            drafts = request.draft_token_ids[: end - known]
-            pending = request.pending_index
-            carry = None
-            if pending is not None and start <= pending < end:
-                carry = (pending - start, request.pending_row)
             if start == request.num_tokens - 1 and request.num_output_tokens > 0:
                 self.stats["decode_tokens"] += count
             else:
                 self.stats["prefill_tokens"] += count
-            num_blocks = -(-end // bs)
-            params = request.params
+            tables = self.kv.block_tables(request)
             out.scheduled.append(
-                ScheduledRequest(
-                    request.request_id,
-                    request.token_ids[start:known] + drafts,
-                    start,
-                    [table[:num_blocks] for table in self.kv.block_tables(request)],
-                    sample=known == request.num_tokens,
-                    params=params,
-                    generator=request.generator,
-                    history=list(request.token_ids) if params.logits_processors else None,
-                    carry=carry,
-                    num_drafts=len(drafts),
-                )
+                ScheduledRequest.of(request, start, count, tables, self.block_size)
             )
-            request.num_computed_tokens = end
+            request.num_computed_tokens = start + count
 
     # -- swap -------------------------------------------------------------------------
 
@@ -434,58 +408,3 @@ class Scheduler:
             insort(self.waiting, request, key=_key)
         out.preempted.append(request.request_id)
         self.stats["preemptions"] += 1
-
-
-class FifoScheduler(Scheduler):
-    """Running decodes first, then running prefills, then admissions in queue order."""
-
-    policy = "fifo"
-    phases = (DECODE, PREFILL, ADMIT)
-
-
-class PrefillFirstScheduler(Scheduler):
-    """Prefills (running, then newly admitted) before decodes, to fill batches faster.
-
-    New requests are admitted only while the blocks the decodes of this step need
-    stay free, so admission never forces a decode out; decodes take the budget left.
-    """
-
-    policy = "prefill_first"
-    phases = (PREFILL, ADMIT, DECODE)
-
-
-POLICIES: dict[str, type[Scheduler]] = {
-    FifoScheduler.policy: FifoScheduler,
-    PrefillFirstScheduler.policy: PrefillFirstScheduler,
-}
-
-
-def make_scheduler(
-    policy: str,
-    allocator: BlockAllocator,
-    block_size: int,
-    max_batch_tokens: int,
-    max_num_seqs: int,
-    *,
-    enable_prefix_caching: bool = True,
-    groups: Sequence[CacheGroup] | None = None,
-    swap_blocks: int = 0,
-    admission: str = "eager",
-) -> Scheduler:
-    """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``)."""
-    try:
-        cls = POLICIES[policy]
-    except KeyError:
-        raise ValueError(
-            f"unknown scheduler policy {policy!r}; use one of {sorted(POLICIES)}"
-        ) from None
-    return cls(
-        allocator,
-        block_size,
-        max_batch_tokens,
-        max_num_seqs,
-        enable_prefix_caching=enable_prefix_caching,
-        groups=groups,
-        swap_blocks=swap_blocks,
-        admission=admission,
-    )

@@ -1,0 +1,64 @@
+"""The scheduling policies: the order of a step's phases, chosen by name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..cache.allocator import BlockAllocator
+from ..cache.groups import CacheGroup
+from .base import ADMIT, DECODE, PREFILL, Scheduler
+
+
+class FifoScheduler(Scheduler):
+    """Running decodes first, then running prefills, then admissions in queue order."""
+
+    policy = "fifo"
+    phases = (DECODE, PREFILL, ADMIT)
+
+
+class PrefillFirstScheduler(Scheduler):
+    """Prefills (running, then newly admitted) before decodes, to fill batches faster.
+
+    New requests are admitted only while the blocks the decodes of this step need
+    stay free, so admission never forces a decode out; decodes take the budget left.
+    """
+
+    policy = "prefill_first"
+    phases = (PREFILL, ADMIT, DECODE)
+
+
+POLICIES: dict[str, type[Scheduler]] = {
+    FifoScheduler.policy: FifoScheduler,
+    PrefillFirstScheduler.policy: PrefillFirstScheduler,
+}
+
+
+def make_scheduler(
+    policy: str,
+    allocator: BlockAllocator,
+    block_size: int,
+    max_batch_tokens: int,
+    max_num_seqs: int,
+    *,
+    enable_prefix_caching: bool = True,
+    groups: Sequence[CacheGroup] | None = None,
+    swap_blocks: int = 0,
+    admission: str = "eager",
+) -> Scheduler:
+    """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``)."""
+    try:
+        cls = POLICIES[policy]
+    except KeyError:
+        raise ValueError(
+            f"unknown scheduler policy {policy!r}; use one of {sorted(POLICIES)}"
+        ) from None
+    return cls(
+        allocator,
+        block_size,
+        max_batch_tokens,
+        max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+        groups=groups,
+        swap_blocks=swap_blocks,
+        admission=admission,
+    )
