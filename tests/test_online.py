@@ -522,17 +522,22 @@ def test_queue_bounds_refuse_with_overloaded_error(llama):
 
 
 def test_request_timeout_finishes_it_with_what_it_has(llama):
-    release, entered = threading.Event(), threading.Event()
+    """The deadline passes mid-generation: the processor, run on the loop thread once a
+    token exists, moves it into the past, so no machine is too slow or too fast for it."""
+    records = {}
+
+    def expire_after_the_first_token(token_ids, logits):
+        if len(token_ids) > 3:  # the prompt's 3 tokens and at least one generated
+            records["r"].deadline = time.monotonic() - 1
+        return logits
+
     params = SamplingParams(
-        max_new_tokens=400,
-        ignore_eos=True,
-        logits_processors=[_blocking_processor(release, entered)],
+        max_new_tokens=400, ignore_eos=True, logits_processors=[expire_after_the_first_token]
     )
     with make_engine(llama) as engine:
-        rid = engine.add_request([5, 6, 7], params, timeout=0.001)
-        assert entered.wait(60)
-        time.sleep(0.01)  # past the deadline for sure, whatever the machine's speed
-        release.set()
+        with hold_engine(engine):  # the record is found before the loop runs a step
+            rid = engine.add_request([5, 6, 7], params, timeout=3600)
+            records["r"] = engine._registry[rid]
         out = engine.get_result(rid, timeout=60)
         assert out.finish_reason == "timeout" and 1 <= len(out.token_ids) < 400
         with pytest.raises(ValueError, match="timeout"):
