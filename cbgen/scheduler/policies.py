@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
-from ..cache.allocator import BlockAllocator
-from ..cache.groups import CacheGroup
 from .base import ADMIT, DECODE, PREFILL, Scheduler
 
 
@@ -33,32 +31,13 @@ POLICIES: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(
-    policy: str,
-    allocator: BlockAllocator,
-    block_size: int,
-    max_batch_tokens: int,
-    max_num_seqs: int,
-    *,
-    enable_prefix_caching: bool = True,
-    groups: Sequence[CacheGroup] | None = None,
-    swap_blocks: int = 0,
-    admission: str = "eager",
-) -> Scheduler:
-    """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``)."""
+def make_scheduler(policy: str, *args: Any, **kwargs: Any) -> Scheduler:
+    """The scheduler of ``policy`` (``"fifo"`` or ``"prefill_first"``), built with the
+    arguments of ``Scheduler``."""
     try:
         cls = POLICIES[policy]
     except KeyError:
         raise ValueError(
             f"unknown scheduler policy {policy!r}; use one of {sorted(POLICIES)}"
         ) from None
-    return cls(
-        allocator,
-        block_size,
-        max_batch_tokens,
-        max_num_seqs,
-        enable_prefix_caching=enable_prefix_caching,
-        groups=groups,
-        swap_blocks=swap_blocks,
-        admission=admission,
-    )
+    return cls(*args, **kwargs)
