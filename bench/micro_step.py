@@ -30,6 +30,8 @@ import torch
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
+from cbgen.executor.attention import NativeCpuAttention, TorchReferenceAttention
+from cbgen.executor.native import NativeKernels
 from cbgen.fast_forward import build_fast_forward
 from cbgen.kernels import decode_kernel
 from cbgen.prepack import PackedLinears
@@ -52,21 +54,28 @@ def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
     """Setters that switch the engine to each variant."""
     runner, builder, model = engine.runner, engine.batch_builder, engine.model
     kernel = decode_kernel()
+    native = NativeCpuAttention(NativeKernels())
+    assert native.supports(model, torch.float32, torch.device("cpu")) is None
+    packed: list[PackedLinears] = []
 
     def prepack(on: bool, fuse: bool = True, fast: bool = True) -> Callable[[], None]:
         def apply() -> None:
-            if runner._packed is not None:
-                runner._packed.restore()
-            runner._packed = PackedLinears(model, fuse=fuse) if on else None
+            runner.linear.close()  # the engine's own packing, if any
+            while packed:
+                packed.pop().restore()
+            if on:
+                packed.append(PackedLinears(model, fuse=fuse))
             runner.fast_forward = (
-                build_fast_forward(model, runner._packed, runner.probe, kernel) if fast else None
+                build_fast_forward(model, packed[0], runner.probe, kernel)
+                if fast and packed
+                else None
             )
 
         return apply
 
-    def attn(native: bool) -> Callable[[], None]:
+    def attn(use_native: bool) -> Callable[[], None]:
         def apply() -> None:
-            builder.decode_kernel = kernel if native else None
+            builder.attention = native if use_native else TorchReferenceAttention()
 
         return apply
 

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .attention import AttentionMetadata, GroupTables, PrefillSpan
 from .cache.groups import FULL_GROUP, CacheGroup
 from .cache.paged_cache import PagedKVCache
+from .executor.attention import TorchReferenceAttention
+from .executor.base import AttentionBackend
+from .executor.metadata import AttentionMetadata, GroupTables, PrefillSpan
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
 class StepBatch:
-    """Everything ``ModelRunner`` needs for one step, already on the device."""
+    """Everything the executor (``ModelRunner``) needs for one step, already on the device."""
 
     input_ids: torch.Tensor  # [1, tokens]
     position_ids: torch.Tensor  # [1, tokens]
@@ -50,19 +51,21 @@ class BatchBuilder:
 
     All index arithmetic happens on host lists and each tensor crosses to the
     device once. Every cache group gets its own slot mapping and block tables;
-    a windowed group's tables start at the first block its window reads.
+    a windowed group's tables start at the first block its window reads. The
+    optional tables (per-row tables, decode padding masks) are built for the
+    attention backend that reads them (default: the torch reference).
     """
 
     def __init__(
         self,
         cache: PagedKVCache,
         layer_of_module: dict[int, int],
-        decode_kernel: Any = None,
+        attention: AttentionBackend | None = None,
         groups: Sequence[CacheGroup] | None = None,
     ) -> None:
         self.cache = cache
         self.layer_of_module = layer_of_module
-        self.decode_kernel = decode_kernel
+        self.attention: AttentionBackend = attention or TorchReferenceAttention()
         self.block_size = cache.block_size
         self.device = cache.device
         self.groups: tuple[CacheGroup, ...] = tuple(groups) if groups else (FULL_GROUP,)
@@ -81,8 +84,8 @@ class BatchBuilder:
         carry: list[tuple[int, int]] = []
         prefill_spans: list[tuple[int, int, int]] = []
         lists = [_GroupLists(group) for group in self.groups]
-        # Per-row tables serve the kernel with one cache group (``_add_row_tables``).
-        row_tables = self.decode_kernel is not None and len(self.groups) == 1
+        # Per-row tables, for a backend that attends every row in one call.
+        row_tables = self.attention.row_tables
 
         for chunk in scheduled.scheduled:
             start, count = chunk.start, chunk.num_tokens
@@ -122,24 +125,14 @@ class BatchBuilder:
                 sampled.extend([chunk] * num_rows)
 
         device = self.device
-        group_tables = [self._group_tables(group_lists) for group_lists in lists]
+        row_tables = row_tables and bool(prefill_spans)
         metadata = AttentionMetadata(
             cache=self.cache,
             layer_of_module=self.layer_of_module,
-            slot_mapping=group_tables[0].slot_mapping,
-            decode_kernel=self.decode_kernel,
+            groups=[self._group_tables(group_lists, row_tables) for group_lists in lists],
+            layer_group=self.layer_group,
+            backend=self.attention,
         )
-        if len(group_tables) == 1:
-            only = group_tables[0]
-            metadata.decode_block_tables = only.decode_block_tables
-            metadata.decode_context_lens = only.decode_context_lens
-            metadata.decode_padding_mask = only.decode_padding_mask
-            metadata.prefill_blocks = only.prefill_blocks
-            if prefill_spans and row_tables:
-                self._add_row_tables(metadata, lists[0].row_chunks)
-        else:
-            metadata.groups = group_tables
-            metadata.layer_group = self.layer_group
         if decode_rows:
             metadata.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         metadata.decode_only = not prefill_spans
@@ -159,7 +152,7 @@ class BatchBuilder:
             batch.carry_sources = torch.tensor(sources, dtype=torch.long, device=device)
         return batch
 
-    def _group_tables(self, lists: _GroupLists) -> GroupTables:
+    def _group_tables(self, lists: _GroupLists, row_tables: bool) -> GroupTables:
         device = self.device
         tables = GroupTables(
             slot_mapping=torch.tensor(lists.slots, dtype=torch.long, device=device)
@@ -170,6 +163,8 @@ class BatchBuilder:
         ]
         if lists.decode_tables:
             self._add_decode(tables, lists.decode_tables, lists.decode_lens)
+        if row_tables:
+            self._add_row_tables(tables, lists.row_chunks)
         return tables
 
     def _add_decode(self, tables: GroupTables, blocks: list[list[int]], lens: list[int]) -> None:
@@ -179,7 +174,7 @@ class BatchBuilder:
         context_lens = torch.tensor(lens, dtype=torch.long, device=device)
         tables.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
         tables.decode_context_lens = context_lens
-        if self.decode_kernel is not None:
+        if not self.attention.padding_mask:
             return  # the kernel stops at each context length: no padding mask needed
         key_positions = torch.arange(width * self.block_size, device=device)
         padding = torch.zeros(len(blocks), width * self.block_size, device=device)
@@ -187,10 +182,10 @@ class BatchBuilder:
         tables.decode_padding_mask = padding.view(1, len(blocks), 1, -1)
 
     def _add_row_tables(
-        self, metadata: AttentionMetadata, chunks: list[tuple[list[int], int, int]]
+        self, group_tables: GroupTables, chunks: list[tuple[list[int], int, int]]
     ) -> None:
         """A block table and context length for every row, prefill rows included (the
-        kernel then attends the whole step in one call: see ``AttentionMetadata``)."""
+        kernel then attends the whole step in one call: see ``GroupTables``)."""
         width = max(len(blocks) for blocks, _, _ in chunks)
         padded = [blocks + [0] * (width - len(blocks)) for blocks, _, _ in chunks]
         lens: list[int] = []
@@ -199,8 +194,8 @@ class BatchBuilder:
         device = self.device
         counts = torch.tensor([count for _, _, count in chunks], dtype=torch.long, device=device)
         tables = torch.tensor(padded, dtype=torch.long, device=device)
-        metadata.row_block_tables = tables.repeat_interleave(counts, dim=0)
-        metadata.row_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
+        group_tables.row_block_tables = tables.repeat_interleave(counts, dim=0)
+        group_tables.row_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
 
     def _prefill_span(self, row: int, count: int, context_len: int) -> PrefillSpan:
         if context_len == count:

@@ -17,12 +17,11 @@ from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budg
 from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .cache.swap import SwapSpace
 from .config import EngineConfig
+from .executor.runner import Executor
 from .input_processor import InputProcessor
-from .kernels import decode_kernel
 from .openmp import release_thread_team
 from .output import OutputProcessor, PendingSamples
 from .request import FinishReason, Request, RequestOutput, RequestStatus
-from .runner import ModelRunner, model_device
 from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
@@ -43,14 +42,13 @@ class EngineCore:
         self.config = config or EngineConfig()
         model.eval()
         self.model = model
-        self.kernels = (
-            decode_kernel()
-            if self.config.use_native_kernels and model_device(model).type == "cpu"
-            else None
+        # The backends of every role are chosen here, once (``runner.describe()``).
+        self.runner = Executor(
+            model,
+            use_native_kernels=self.config.use_native_kernels,
+            prepack_linear=self.config.prepack_linear,
         )
-        self.runner = ModelRunner(
-            model, prepack_linear=self.config.prepack_linear, kernels=self.kernels
-        )
+        self.kernels = self.runner.kernels
         try:
             self._build(model)
         except BaseException:
@@ -101,10 +99,10 @@ class EngineCore:
         self.batch_builder = BatchBuilder(
             self.cache,
             self.runner.probe.layer_of_module,
-            self.kernels,
+            self.runner.attention,
             self.cache_groups,
         )
-        self.sampler = Sampler(argmax=getattr(self.kernels, "argmax_rows", None))
+        self.sampler = Sampler(argmax=self.runner.greedy.argmax)
         # The longest request that fits alone (None: windowed layers only, any length fits).
         cache_limit = max_request_tokens(
             self.cache_groups, num_blocks, config.block_size, config.max_batch_tokens

@@ -19,9 +19,10 @@ operation by operation; only the RMSNorm's sum of squares is added in another
 order (see ``layer_ops.cpp``).
 
 The fast path is taken only when nothing could observe the difference: float32
-on CPU with prepacked linear maps and the native kernels built, no hooks on any
-module, and every layer of the expected shape. Otherwise (and with
-``CBGEN_NO_FAST_FORWARD=1``) the runner calls the model's ``forward``.
+on CPU with prepacked linear maps and the native layer ops, no hooks on any
+module, and every layer of the expected shape. The executor's model adapter
+registry decides that once (``cbgen.executor.adapters.FastDecoder``); otherwise
+(and with ``CBGEN_NO_FAST_FORWARD=1``) the model's own ``forward`` runs.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import ProbeRecord, attend, layer_tables
-from .batch import StepBatch
 from .embedding_rows import file_rows
+from .executor.metadata import ProbeRecord
 from .prepack import PackedLinears, packed_linear
+
+if TYPE_CHECKING:
+    from .batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class FastForward:
         model: nn.Module,
         layers: list[_Layer],
         lm_head: _Packed,
-        kernels: ModuleType,
+        layer_ops: Any,
         heads: int,
         kv_heads: int,
         head_dim: int,
@@ -89,13 +92,13 @@ class FastForward:
         self._norm_eps = float(base.norm.variance_epsilon)
         self._layers = layers
         self._lm_head = lm_head
-        self._kernels = kernels
+        self._ops = layer_ops
         self._heads, self._kv_heads, self._head_dim = heads, kv_heads, head_dim
         self.vocab_size = int(model.lm_head.out_features)  # type: ignore[union-attr]
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
-        kernels, metadata = self._kernels, batch.attention
-        cache = metadata.cache
+        ops, metadata = self._ops, batch.attention
+        cache, attend = metadata.cache, metadata.backend.attend
         ids = batch.input_ids[0]
         tokens = ids.shape[0]
         hidden = self._embed(ids)
@@ -106,9 +109,9 @@ class FastForward:
         kv_shape = (tokens, self._kv_heads, self._head_dim)
         delta: torch.Tensor | None = None
         for layer in self._layers:
-            x = kernels.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps)
+            x = ops.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps)
             qkv = packed_linear(x, *layer.qkv)
-            q = kernels.rope_qkv(
+            q = ops.rope_qkv(
                 qkv,
                 cos,
                 sin,
@@ -116,7 +119,7 @@ class FastForward:
                 self._kv_heads,
                 cache.keys[layer.index],
                 cache.values[layer.index],
-                layer_tables(metadata, layer.index).slot_mapping,
+                metadata.tables(layer.index).slot_mapping,
             )
             k = qkv[:, q_width : q_width + kv_width].view(kv_shape)
             v = qkv[:, q_width + kv_width :].view(kv_shape)
@@ -131,7 +134,7 @@ class FastForward:
                 store=False,  # rope_qkv stored them
             )
             delta = packed_linear(out.reshape(tokens, -1), *layer.o)
-            x = kernels.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps)
+            x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps)
             gate_up = packed_linear(x, *layer.gate_up)
             act = F.silu(gate_up[:, : layer.intermediate])
             act.mul_(gate_up[:, layer.intermediate :])
@@ -140,7 +143,7 @@ class FastForward:
         if rows.numel() == 0:
             return hidden.new_empty(0, self.vocab_size)
         assert delta is not None
-        x = kernels.add_rms_norm(
+        x = ops.add_rms_norm(
             hidden.index_select(0, rows), delta.index_select(0, rows), self._norm, self._norm_eps
         )
         return packed_linear(x, *self._lm_head)
@@ -150,36 +153,41 @@ def build_fast_forward(
     model: nn.Module,
     packed: PackedLinears | None,
     probe: ProbeRecord,
-    kernels: ModuleType | None,
+    layer_ops: Any,
 ) -> FastForward | None:
-    """A ``FastForward`` for ``model``, or None (logged) when it does not qualify."""
+    """A ``FastForward`` for ``model``, or None (logged) when it does not qualify.
+
+    ``layer_ops`` has ``add_rms_norm`` and ``rope_qkv`` (a ``NativeLayerOps``, or the
+    kernel module itself). The engine goes through ``plan_fast_forward`` instead.
+    """
     if os.environ.get(DISABLE_ENV) == "1":
         return None
     try:
-        return _build(model, packed, probe, kernels)
-    except _Unsupported as reason:
+        return plan_fast_forward(model, packed, probe, layer_ops)
+    except Unsupported as reason:
         logger.info("cbgen: decoder fast path off: %s", reason)
         return None
 
 
-class _Unsupported(Exception):
-    pass
+class Unsupported(Exception):
+    """Why a model does not qualify for the fast path."""
 
 
 def _require(condition: bool, reason: str) -> None:
     if not condition:
-        raise _Unsupported(reason)
+        raise Unsupported(reason)
 
 
-def _build(
+def plan_fast_forward(
     model: nn.Module,
     packed: PackedLinears | None,
     probe: ProbeRecord,
-    kernels: ModuleType | None,
+    layer_ops: Any,
 ) -> FastForward:
-    _require(kernels is not None and hasattr(kernels, "rope_qkv"), "no native kernels")
+    """The fast path for ``model``; raises ``Unsupported`` saying why it does not qualify."""
+    _require(layer_ops is not None and hasattr(layer_ops, "rope_qkv"), "no native layer ops")
     _require(packed is not None and len(packed) > 0, "linear maps are not prepacked")
-    assert packed is not None and kernels is not None
+    assert packed is not None
     config = model.config
     _require(
         getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES,
@@ -192,7 +200,7 @@ def _build(
         _require(hasattr(base, name), f"the base model has no {name}")
     assert base is not None
     _require(isinstance(base.embed_tokens, nn.Embedding), "the embedding is not nn.Embedding")
-    _require(base.embed_tokens.weight.dtype == torch.float32, "weights are not float32")
+    _require(all(p.dtype == torch.float32 for p in model.parameters()), "weights are not float32")
     _require(_is_rms_norm(base.norm), "the final norm is not an RMSNorm")
     _require(getattr(config, "hidden_act", None) == "silu", "the MLP activation is not SiLU")
     lm_head = packed.packed_weight(getattr(model, "lm_head", None))  # type: ignore[arg-type]
@@ -248,7 +256,7 @@ def _build(
             )
         )
     _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
-    return FastForward(model, layers, lm_head, kernels, heads, kv_heads, head_dim)
+    return FastForward(model, layers, lm_head, layer_ops, heads, kv_heads, head_dim)
 
 
 def _hook_free(model: nn.Module) -> bool:
@@ -262,11 +270,10 @@ def _hook_free(model: nn.Module) -> bool:
 
 
 def _is_rms_norm(module: object) -> bool:
-    """transformers' Llama-style RMSNorm: ``weight * x / rms(x)`` in float32."""
+    """transformers' Llama-style RMSNorm: ``weight * x / rms(x)`` (float32: every weight is)."""
     return (
         type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
         and getattr(module, "weight", None) is not None
-        and module.weight.dtype == torch.float32  # type: ignore[attr-defined]
         and hasattr(module, "variance_epsilon")
     )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .executor.greedy import torch_argmax
 from .sampling import SamplingParams
 
 
@@ -36,10 +37,11 @@ class Sampler:
         generator: torch.Generator | None = None,
         argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """``argmax``: a faster ``torch.argmax(logits, dim=-1)`` for float32 CPU logits
-        (the native ``argmax_rows``: 0.2 against 2.7 ms for 64 rows of 49k logits)."""
+        """``argmax``: ``torch.argmax(logits, dim=-1)`` as the engine's greedy backend
+        computes it (``cbgen.executor.greedy``: the native ``argmax_rows`` for the float32
+        CPU logits of a CPU engine); default ``torch.argmax``."""
         self.generator = generator
-        self._argmax = argmax
+        self._argmax = argmax or torch_argmax
 
     @torch.inference_mode()
     def __call__(
@@ -55,10 +57,7 @@ class Sampler:
         errors: dict[int, str] = {}
         if any(p.logits_processors for p in params):
             errors = _apply_processors(logits, params, histories)
-        if self._argmax is not None and logits.dtype == torch.float32 and logits.is_cpu:
-            tokens = self._argmax(logits)
-        else:
-            tokens = torch.argmax(logits, dim=-1)
+        tokens = self._argmax(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         rows = selected = None
         if sampled_rows:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_model, run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.kernels import decode_kernel
+from cbgen.request import FinishReason
 from cbgen.sampler import Sampler
 
 kernel = decode_kernel()
@@ -78,7 +80,17 @@ def test_the_engine_samples_greedy_rows_with_it(llama):
     out = sampler(logits, params, [None] * 3)
     assert calls == [(3, 30)]
     assert out.tokens[0] == logits[0].argmax() and out.tokens[2] == logits[2].argmax()
-    # Other dtypes keep torch.argmax.
-    half = logits.double()
-    assert sampler(half, [SamplingParams()] * 3, [None] * 3).tokens == half.argmax(-1).tolist()
     assert len(calls) == 1
+
+
+@needs_kernel
+def test_a_bfloat16_engine_samples_float32_logits_with_it(llama):
+    """The argmax is chosen once, by device (``cbgen.executor.greedy``): the sampler no
+    longer checks each step's dtype, because the executor's logits are float32 whatever
+    the model's dtype (the kernel would raise on others)."""
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    with EngineCore(model, EngineConfig(num_blocks=64)) as engine:
+        assert engine.sampler._argmax is kernel.argmax_rows
+        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True), "a")
+        outputs = run_until_done(engine)
+    assert len(outputs["a"].token_ids) == 4 and outputs["a"].finish_reason == FinishReason.LENGTH

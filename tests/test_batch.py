@@ -7,16 +7,18 @@ import torch
 from cbgen import SamplingParams
 from cbgen.batch import BatchBuilder
 from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
+from cbgen.executor.attention import NativeCpuAttention
+from cbgen.executor.native import NativeKernels
 from cbgen.request import Request
 from cbgen.scheduler_output import ScheduledRequest, SchedulerOutput
 
 BS = 4
 
 
-def _builder(kernel=None):
+def _builder(attention=None):
     layers = [LayerSpec(2, 8, 8, torch.float32)]
     cache = PagedKVCache(layers, num_blocks=16, block_size=BS, device=torch.device("cpu"))
-    return BatchBuilder(cache, {0: 0}, kernel)
+    return BatchBuilder(cache, {0: 0}, attention)
 
 
 _BLOCKS: dict[int, list[int]] = {}
@@ -61,31 +63,38 @@ def test_a_mixed_step_packs_decodes_and_prefill_chunks():
     assert batch.logits_indices.tolist() == [0, 7]
     assert [chunk.request_id for chunk in batch.sampled] == ["a", "c"]
     meta = batch.attention
+    tables = meta.groups[0]  # one cache group
+    assert meta.tables(0) is tables
     # slot = block * block_size + offset, position by position
-    assert meta.slot_mapping.tolist() == [5 * BS + 2, 32, 33, 34, 35, 36, 2 * BS + 0, 2 * BS + 1]
+    assert tables.slot_mapping.tolist() == [5 * BS + 2, 32, 33, 34, 35, 36, 2 * BS + 0, 2 * BS + 1]
     assert meta.decode_rows.tolist() == [0] and not meta.decode_only
-    assert meta.decode_block_tables.tolist() == [[3, 5]]
-    assert meta.decode_context_lens.tolist() == [7]
+    assert tables.decode_block_tables.tolist() == [[3, 5]]
+    assert tables.decode_context_lens.tolist() == [7]
     # without the kernel, a decode row's padding mask hides keys past its context
-    mask = meta.decode_padding_mask.view(-1)
+    mask = tables.decode_padding_mask.view(-1)
     assert torch.isinf(mask[7:]).all() and (mask[:7] == 0).all()
     spans = [(s.q_start, s.q_len, s.context_len) for s in meta.prefills]
     assert spans == [(1, 5, 5), (6, 2, 6)]
     assert meta.prefills[0].mask is None  # a fresh chunk attends its own keys causally
     assert meta.prefills[1].mask.tolist() == [[True] * 5 + [False], [True] * 6]
-    (fresh, k0), (cached, k1) = meta.prefill_blocks
+    (fresh, k0), (cached, k1) = tables.prefill_blocks
+    assert tables.row_block_tables is None  # the torch reference reads no per-row tables
     assert fresh is None and cached.tolist() == [1, 2] and (k0, k1) == (0, 0)
 
 
 def test_a_decode_only_step_with_the_kernel_needs_no_mask():
     a = _request("a", range(10, 15), 4, [3, 5])
     b = _request("b", range(20, 22), 1, [7])
-    batch = _builder(kernel=object()).build(SchedulerOutput(scheduled=[_chunk(a, 1), _chunk(b, 1)]))
+    batch = _builder(NativeCpuAttention(NativeKernels())).build(
+        SchedulerOutput(scheduled=[_chunk(a, 1), _chunk(b, 1)])
+    )
     meta = batch.attention
+    tables = meta.groups[0]
     assert meta.decode_only and meta.prefills == []
-    assert meta.decode_block_tables.tolist() == [[3, 5], [7, 0]]  # padded with block 0
-    assert meta.decode_context_lens.tolist() == [5, 2]
-    assert meta.decode_padding_mask is None  # the kernel stops at each context length
+    assert tables.decode_block_tables.tolist() == [[3, 5], [7, 0]]  # padded with block 0
+    assert tables.decode_context_lens.tolist() == [5, 2]
+    assert tables.decode_padding_mask is None  # the kernel stops at each context length
+    assert tables.row_block_tables is None  # decode rows read the decode tables
     assert batch.logits_indices.tolist() == [0, 1]
 
 

@@ -16,7 +16,7 @@ import torch
 from conftest import make_tiny_model, random_prompts, reference_greedy
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.attention import AttentionMetadata, _decode_attention
+from cbgen.attention import GroupTables, _decode_attention
 from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
 from cbgen.kernels import compile_flags, decode_kernel, machine_key
 
@@ -60,9 +60,7 @@ def check_kernel(
     positions = torch.arange(width * block_size)
     padding = torch.zeros(len(lens), width * block_size)
     padding.masked_fill_(positions >= context.unsqueeze(1), float("-inf"))
-    meta = AttentionMetadata(
-        cache=cache,
-        layer_of_module={},
+    meta = GroupTables(
         slot_mapping=torch.empty(0, dtype=torch.long),
         decode_block_tables=padded,
         decode_context_lens=context,
@@ -209,11 +207,12 @@ def test_prefill_rows_attend_through_the_kernel_exactly(monkeypatch, arch):
         def counting_build(scheduled):
             nonlocal steps_with_row_tables
             batch = build(scheduled)
-            tables = batch.attention.row_block_tables
+            (group,) = batch.attention.groups
+            tables = group.row_block_tables
             if tables is not None:
                 steps_with_row_tables += 1
                 assert tables.shape[0] == batch.input_ids.shape[1]
-                assert torch.equal(batch.attention.row_context_lens, batch.position_ids[0] + 1)
+                assert torch.equal(group.row_context_lens, batch.position_ids[0] + 1)
             return batch
 
         engine.batch_builder.build = counting_build

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 # Compiled into one extension module; bindings.cpp declares what Python sees.
 SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "argmax.cpp", "bindings.cpp")
 
+DISABLE_ENV = "CBGEN_NO_KERNELS"
+
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -44,7 +46,7 @@ def decode_kernel() -> ModuleType | None:
     global _module, _failed
     if _module is not None or _failed:
         return _module
-    if os.environ.get("CBGEN_NO_KERNELS") == "1":
+    if os.environ.get(DISABLE_ENV) == "1":
         _failed = True
         return None
     with _lock:

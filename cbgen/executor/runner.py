@@ -1,0 +1,168 @@
+"""The executor: built once per model (its device and dtype) from the chosen backends, it
+runs a ``StepBatch`` to the sampled rows' float32 logits."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import attention
+from ..attention import ProbeRecord, attention_context
+from ..kernels import decode_kernel
+from .adapters import HFModules
+from .base import AttentionBackend, GreedyBackend, LinearBackend, ModelAdapter, model_device
+from .base import model_dtype as _model_dtype
+from .native import NativeKernels
+from .registry import ROLES, BuildContext, Selection, select
+
+if TYPE_CHECKING:
+    from ..batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    """Owns the model's attention switch, the chosen backends and the forward call.
+
+    On construction it switches the model to cbgen's paged attention and probes
+    it with a two-token forward to learn, per attention layer, how many K/V
+    heads and which head sizes it stores (read off the tensors the layer
+    actually produces, so no per-architecture config keys are needed). Then it
+    chooses a backend per role (``cbgen.executor.registry``), once: ``attention``
+    (given to the batch builder), ``linear`` (applied to the model now),
+    ``layer_ops``, ``greedy`` (the sampler's argmax) and ``model`` (the adapter
+    that runs the forward). ``describe()`` says which serves each role and why
+    the others refused; it is logged at INFO. ``close()`` undoes what the
+    backends did and restores the model's own attention implementation.
+
+    ``use_native_kernels`` allows the native CPU kernels (``cbgen.kernels``, loaded
+    through ``kernels``); ``prepack_linear`` is ``EngineConfig.prepack_linear``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        use_native_kernels: bool = True,
+        prepack_linear: bool | None = None,
+        kernels: Callable[[], ModuleType | None] = decode_kernel,
+    ) -> None:
+        self.model = model
+        self.device = model_device(model)
+        self.dtype = _model_dtype(model)
+        self.selections: dict[str, Selection] = {}
+        self._native = NativeKernels(use_native_kernels, kernels)
+        self._fast: Any = None
+        attention.register()
+        self._original_attention = model.config._attn_implementation
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+        if model.config._attn_implementation != attention.ATTENTION_NAME:
+            self.close()
+            raise ValueError(
+                f"{type(model).__name__} does not route attention through transformers' "
+                "AttentionInterface, so cbgen cannot page its KV cache"
+            )
+        try:
+            self.probe = self._probe()
+            self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+            ctx = BuildContext(model, self.probe, self._native, prepack_linear)
+            for role in ROLES:
+                selection = select(role, ctx, self.dtype, self.device)
+                self.selections[role] = selection
+                ctx.chosen[role] = selection.backend
+                if selection.backend is not None:
+                    selection.backend.apply(model)
+            # The model's own modules, for a caller that switches the fast path off.
+            self._module_forward = (
+                self.adapter if isinstance(self.adapter, HFModules) else HFModules(model)
+            ).forward
+            self.fast_forward = getattr(self.adapter, "fast_forward", None)
+        except BaseException:
+            self.close()
+            raise
+        logger.info(
+            "cbgen: executor (%s, %s): %s",
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            "; ".join(self.describe().splitlines()),
+        )
+
+    # -- the chosen backends ------------------------------------------------------------
+
+    def _chosen(self, role: str) -> Any:
+        return self.selections[role].backend
+
+    @property
+    def attention(self) -> AttentionBackend:
+        return self._chosen("attention")
+
+    @property
+    def linear(self) -> LinearBackend:
+        return self._chosen("linear")
+
+    @property
+    def greedy(self) -> GreedyBackend:
+        return self._chosen("greedy")
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        return self._chosen("model")
+
+    @property
+    def kernels(self) -> ModuleType | None:
+        """The native kernel module if a backend loaded it."""
+        return self._native.loaded
+
+    def describe(self) -> str:
+        """One line per role: the backend serving it and why the ones before it refused."""
+        return "\n".join(self.selections[role].describe() for role in self.selections)
+
+    @property
+    def prepacked_linears(self) -> int:
+        """How many ``nn.Linear`` modules currently run on prepacked weights."""
+        linear = self.selections.get("linear")
+        backend = linear.backend if linear is not None else None
+        return backend.modules_served if isinstance(backend, LinearBackend) else 0
+
+    # -- the forward --------------------------------------------------------------------
+
+    @property
+    def fast_forward(self) -> Any:
+        """The fast decoder's forward when it serves (None: the model's own modules).
+        Assignable, so a test or a benchmark can switch paths on one engine."""
+        return self._fast
+
+    @fast_forward.setter
+    def fast_forward(self, value: Any) -> None:
+        self._fast = value
+        self._forward = value if value is not None else self._module_forward
+
+    def _probe(self) -> ProbeRecord:
+        record = ProbeRecord()
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        positions = torch.arange(2, device=self.device).unsqueeze(0)
+        with torch.inference_mode(), attention_context(record):
+            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+        if not record.layers:
+            raise ValueError(f"{type(self.model).__name__} ran no attention layer through cbgen")
+        return record
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Return the float32 logits of the sampled rows, ``[samples, vocab]``."""
+        with torch.inference_mode():
+            return self._forward(batch)
+
+    def close(self) -> None:
+        """Give the model back its own linear maps and attention implementation (idempotent)."""
+        self._fast = None
+        for role in reversed(list(self.selections)):
+            backend = self.selections[role].backend
+            if backend is not None:
+                backend.close()
+        if self._original_attention is not None:
+            self.model.set_attn_implementation(self._original_attention)
+            self._original_attention = None
