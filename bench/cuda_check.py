@@ -36,9 +36,13 @@ def _reference(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _run(model, prompts, max_new, config, references=None) -> tuple[list[list[int]], dict]:
+def _run(
+    model, prompts, max_new, config, references=None, describe=False
+) -> tuple[list[list[int]], dict]:
     results: dict[str, list[int]] = {}
     with EngineCore(model, config) as engine:
+        if describe:
+            print("  " + engine.runner.describe().replace("\n", "\n  "))
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_new_tokens=max_new), str(i))
         while engine.has_unfinished():
@@ -80,7 +84,8 @@ def main() -> int:
         for name, (config, references) in cases.items():
             start = time.perf_counter()
             try:
-                outputs, stats = _run(model, prompts, max_new, config, references)
+                describe = arch == ARCHITECTURES[0] and name == "plain"
+                outputs, stats = _run(model, prompts, max_new, config, references, describe)
                 ok = outputs == expected
                 detail = f"preemptions {stats['preemptions']}"
             except Exception as exc:  # report every case, then fail

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -51,16 +51,17 @@ class Executor:
         prepack_linear: bool | None = None,
         kernels: Callable[[], ModuleType | None] = decode_kernel,
     ) -> None:
-        self.model = model
+        # A transformers model: its config and attention switch are not nn.Module's.
+        self.model: Any = cast(Any, model)
         self.device = model_device(model)
         self.dtype = _model_dtype(model)
         self.selections: dict[str, Selection] = {}
         self._native = NativeKernels(use_native_kernels, kernels)
         self._fast: Any = None
         attention.register()
-        self._original_attention = model.config._attn_implementation
-        model.set_attn_implementation(attention.ATTENTION_NAME)
-        if model.config._attn_implementation != attention.ATTENTION_NAME:
+        self._original_attention = self.model.config._attn_implementation
+        self.model.set_attn_implementation(attention.ATTENTION_NAME)
+        if self.model.config._attn_implementation != attention.ATTENTION_NAME:
             self.close()
             raise ValueError(
                 f"{type(model).__name__} does not route attention through transformers' "
@@ -68,7 +69,7 @@ class Executor:
             )
         try:
             self.probe = self._probe()
-            self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+            self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
             ctx = BuildContext(model, self.probe, self._native, prepack_linear)
             for role in ROLES:
                 selection = select(role, ctx, self.dtype, self.device)
