@@ -25,6 +25,12 @@ from cbgen import EngineConfig, EngineCore, SamplingParams
 
 
 def _reference(model, prompt: list[int], max_new: int) -> list[int]:
+    if getattr(model.config, "attn_logit_softcapping", None) and (
+        model.config._attn_implementation != "eager"
+    ):
+        # transformers 5.17 gives Gemma 2 SDPA on CUDA, which drops the attention logit
+        # softcap (its logits were 0.07 off eager's and cbgen's here); eager is the model.
+        model.set_attn_implementation("eager")
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt], device=model.device),
