@@ -145,12 +145,13 @@ class EngineCore:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r}: this id is already in use")
-        prompt = self.input_processor.validate(request_id, prompt_token_ids, params)
-        if params.n != 1:
-            raise ValueError(
-                f"request {request_id!r}: n={params.n} samples need cbgen.generate_batch; "
-                "EngineCore.add_request runs one sample (add one request per sample)"
-            )
+        prompt = self.input_processor.validate(
+            request_id,
+            prompt_token_ids,
+            params,
+            one_sample="need cbgen.generate_batch; EngineCore.add_request runs one sample "
+            "(add one request per sample)",
+        )
         request = Request(request_id, prompt, params, next(self._arrivals))
         if params.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)

@@ -23,10 +23,19 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
-    def validate(self, request_id: str, prompt_token_ids: Any, params: Any) -> list[int]:
+    def validate(
+        self,
+        request_id: str,
+        prompt_token_ids: Any,
+        params: Any,
+        *,
+        one_sample: str | None = None,
+    ) -> list[int]:
         """The prompt as a list of ids; ``ValueError`` naming ``request_id`` if it cannot run.
 
-        Reads only settings fixed at construction, so any thread may call it.
+        ``one_sample``: this front end runs one sample per request, and the message says
+        where ``n > 1`` belongs. Reads only settings fixed at construction, so any thread
+        may call it.
         """
 
         def fail(message: str) -> ValueError:
@@ -38,6 +47,8 @@ class InputProcessor:
             params.validate()
         except ValueError as exc:
             raise fail(str(exc)) from None
+        if one_sample is not None and params.n != 1:
+            raise fail(f"n={params.n} samples {one_sample}")
         if params.top_k > self.vocab_size:
             raise fail(
                 f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}"

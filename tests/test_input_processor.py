@@ -19,6 +19,13 @@ def test_valid_prompts_come_back_as_lists():
     assert PROCESSOR.validate("a", (7,) * 9, SamplingParams(top_k=100)) == [7] * 9
 
 
+def test_a_one_sample_front_end_names_where_n_samples_belong():
+    with pytest.raises(ValueError, match=r"request 'a': n=3 samples belong elsewhere"):
+        PROCESSOR.validate("a", [1, 2], SamplingParams(n=3), one_sample="belong elsewhere")
+    # Without the rule (generate_batch fans out first), n is for the caller to split.
+    assert PROCESSOR.validate("a", [1, 2], SamplingParams(n=3)) == [1, 2]
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [

@@ -176,13 +176,9 @@ class Engine:
 
     def _validate(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         # The core's own rules; they read only immutable settings, so any thread may run them.
-        prompt_ids = self.core.input_processor.validate(rid, prompt, params)
-        if params.n != 1:
-            raise ValueError(
-                f"request {rid!r}: n={params.n} samples are not supported online; "
-                "add one request per sample"
-            )
-        return prompt_ids
+        return self.core.input_processor.validate(
+            rid, prompt, params, one_sample="are not supported online; add one request per sample"
+        )
 
     @property
     def num_queued(self) -> tuple[int, int]:
