@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "CBGEN_NO_FAST_FORWARD"
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 _Packed = tuple[torch.Tensor, torch.Tensor | None]  # packed weight, bias
 
@@ -66,6 +66,8 @@ class _Layer:
     intermediate: int
     scale: float
     sliding_window: int | None
+    # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding.
+    qk_norms: tuple[torch.Tensor, float, torch.Tensor, float] | None = None
 
 
 class FastForward:
@@ -111,6 +113,10 @@ class FastForward:
         for layer in self._layers:
             x = ops.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps)
             qkv = packed_linear(x, *layer.qkv)
+            if layer.qk_norms is not None:
+                q_weight, q_eps, k_weight, k_eps = layer.qk_norms
+                _norm_heads(qkv[:, :q_width].view(tokens, self._heads, -1), q_weight, q_eps)
+                _norm_heads(qkv[:, q_width : q_width + kv_width].view(kv_shape), k_weight, k_eps)
             q = ops.rope_qkv(
                 qkv,
                 cos,
@@ -217,7 +223,7 @@ def plan_fast_forward(
     layers = []
     for layer in base.layers:
         attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
-        _require(not any(hasattr(attn, name) for name in ("q_norm", "k_norm")), "q/k norms")
+        qk_norms = _qk_norms(attn, head_dim)
         _require(id(attn) in probe.layer_of_module, "an attention module the probe did not see")
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _require(_is_rms_norm(norm), "a layer norm is not an RMSNorm")
@@ -253,10 +259,39 @@ def plan_fast_forward(
                 intermediate=int(mlp.gate_proj.out_features),
                 scale=float(attn.scaling),
                 sliding_window=probe.layers[index].sliding_window,
+                qk_norms=qk_norms,
             )
         )
     _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
     return FastForward(model, layers, lm_head, layer_ops, heads, kv_heads, head_dim)
+
+
+def _qk_norms(
+    attn: nn.Module, head_dim: int
+) -> tuple[torch.Tensor, float, torch.Tensor, float] | None:
+    """Qwen3's per-head q and k RMSNorms (weights and epsilons), or None without them."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return None
+    _require(
+        all(_is_rms_norm(n) and n.weight.shape == (head_dim,) for n in (q_norm, k_norm)),
+        "q/k norms that are not per-head RMSNorms",
+    )
+    assert q_norm is not None and k_norm is not None
+    return (
+        q_norm.weight.detach(),
+        float(q_norm.variance_epsilon),
+        k_norm.weight.detach(),
+        float(k_norm.variance_epsilon),
+    )
+
+
+def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """transformers' RMSNorm over the last dimension of ``x`` ``[tokens, heads, head_dim]``
+    (a view into the fused q/k/v output), written in place, operation by operation as the
+    module computes it so the result is the same to the bit."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x.copy_(weight * (x * torch.rsqrt(variance + eps)))
 
 
 def _hook_free(model: nn.Module) -> bool:
@@ -272,7 +307,7 @@ def _hook_free(model: nn.Module) -> bool:
 def _is_rms_norm(module: object) -> bool:
     """transformers' Llama-style RMSNorm: ``weight * x / rms(x)`` (float32: every weight is)."""
     return (
-        type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+        type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
         and getattr(module, "weight", None) is not None
         and hasattr(module, "variance_epsilon")
     )

@@ -119,10 +119,10 @@ def test_fast_decoder_refusals(monkeypatch):
         )
     finally:
         linear.close()
-    qwen3 = make_tiny_model("qwen3")
-    decoder, linear = _fast_decoder(qwen3)
+    phi3 = make_tiny_model("phi3")
+    decoder, linear = _fast_decoder(phi3)
     try:
-        assert "'qwen3'" in decoder.supports(qwen3, F32, CPU)
+        assert "'phi3'" in decoder.supports(phi3, F32, CPU)
     finally:
         linear.close()
 

@@ -14,8 +14,8 @@ from cbgen.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
 
-FAST = ["llama", "qwen2", "mistral", "mistral-sliding"]
-NOT_FAST = ["qwen3", "phi3", "gemma", "granite", "gpt2"]
+FAST = ["llama", "qwen2", "qwen3", "mistral", "mistral-sliding"]
+NOT_FAST = ["phi3", "gemma", "granite", "gpt2"]
 
 
 @pytest.mark.parametrize("arch", FAST + NOT_FAST)

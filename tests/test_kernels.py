@@ -185,7 +185,7 @@ def test_kernel_rejects_tables_outside_the_cache():
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # the fast path, and transformers' forward
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # the fast path, and transformers' forward
 def test_prefill_rows_attend_through_the_kernel_exactly(monkeypatch, arch):
     # Chunked prefill into a 24-token budget: fresh chunks, continued chunks reading
     # cached blocks, and mixed steps with decode rows; a shared prefix adds cached blocks.
