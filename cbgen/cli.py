@@ -31,7 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    gen.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (default: float32, bfloat16 with --quantization)",
+    )
+    gen.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
+    )
     gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     gen.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     gen.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -67,7 +76,11 @@ def generate_command(args: argparse.Namespace) -> int:
     if not prompts:
         print("cbgen generate: give at least one --prompt or a --prompts-file", file=sys.stderr)
         return 2
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(
+        args.model,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        quantization=args.quantization,
+    )
     if args.no_chat_template:
         token_ids = [tokenizer(p)["input_ids"] for p in prompts]
     else:  # raw text for a tokenizer without a chat template

@@ -19,8 +19,12 @@ operation by operation; only the RMSNorm's sum of squares is added in another
 order (see ``layer_ops.cpp``).
 
 The fast path is taken only when nothing could observe the difference: float32
-on CPU with prepacked linear maps and the native layer ops, no hooks on any
-module, and every layer of the expected shape. The executor's model adapter
+or bfloat16 on CPU with prepacked (or quantized) linear maps and the native layer
+ops, no hooks on any module, and every layer of the expected shape. In bfloat16
+the residual stream, norms, rotary embedding and logits stay float32 and only
+the GEMMs' inputs and outputs (and the K/V cache) are bfloat16: closer to the
+float32 model than transformers' own bfloat16 modules, which round the residual
+after every add. The executor's model adapter
 registry decides that once (``cbgen.executor.adapters.FastDecoder``); otherwise
 (and with ``CBGEN_NO_FAST_FORWARD=1``) the model's own ``forward`` runs.
 """
@@ -39,7 +43,7 @@ from torch import nn
 
 from .embedding_rows import file_rows
 from .executor.metadata import ProbeRecord
-from .prepack import PackedLinears, packed_linear
+from .prepack import LinearMap, PackedLinears
 
 if TYPE_CHECKING:
     from .batch import StepBatch
@@ -49,20 +53,18 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "CBGEN_NO_FAST_FORWARD"
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-_Packed = tuple[torch.Tensor, torch.Tensor | None]  # packed weight, bias
-
 
 @dataclass(frozen=True)
 class _Layer:
     index: int  # the cache layer
     input_norm: torch.Tensor
     input_eps: float
-    qkv: _Packed
-    o: _Packed
+    qkv: LinearMap
+    o: LinearMap
     post_norm: torch.Tensor
     post_eps: float
-    gate_up: _Packed
-    down: _Packed
+    gate_up: LinearMap
+    down: LinearMap
     intermediate: int
     scale: float
     sliding_window: int | None
@@ -80,7 +82,7 @@ class FastForward:
         self,
         model: nn.Module,
         layers: list[_Layer],
-        lm_head: _Packed,
+        lm_head: LinearMap,
         layer_ops: Any,
         heads: int,
         kv_heads: int,
@@ -90,6 +92,8 @@ class FastForward:
         weight = base.embed_tokens.weight
         self._embed = file_rows(weight) or functools.partial(F.embedding, weight=weight)
         self._rotary = base.rotary_emb
+        # The dtype of the GEMMs' inputs and outputs; the residual stream stays float32.
+        self._dtype = weight.dtype
         self._norm = base.norm.weight.detach()
         self._norm_eps = float(base.norm.variance_epsilon)
         self._layers = layers
@@ -103,16 +107,17 @@ class FastForward:
         cache, attend = metadata.cache, metadata.backend.attend
         ids = batch.input_ids[0]
         tokens = ids.shape[0]
-        hidden = self._embed(ids)
+        hidden = self._embed(ids).float()
         cos, sin = self._rotary(hidden.unsqueeze(0), batch.position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         q_width = self._heads * self._head_dim
         kv_width = self._kv_heads * self._head_dim
         kv_shape = (tokens, self._kv_heads, self._head_dim)
+        dtype = self._dtype
         delta: torch.Tensor | None = None
         for layer in self._layers:
-            x = ops.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps)
-            qkv = packed_linear(x, *layer.qkv)
+            x = ops.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps, dtype)
+            qkv = layer.qkv(x)
             if layer.qk_norms is not None:
                 q_weight, q_eps, k_weight, k_eps = layer.qk_norms
                 _norm_heads(qkv[:, :q_width].view(tokens, self._heads, -1), q_weight, q_eps)
@@ -139,20 +144,25 @@ class FastForward:
                 layer.sliding_window,
                 store=False,  # rope_qkv stored them
             )
-            delta = packed_linear(out.reshape(tokens, -1), *layer.o)
-            x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps)
-            gate_up = packed_linear(x, *layer.gate_up)
+            delta = layer.o(out.reshape(tokens, -1).to(dtype))
+            x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps, dtype)
+            gate_up = layer.gate_up(x)
             act = F.silu(gate_up[:, : layer.intermediate])
             act.mul_(gate_up[:, layer.intermediate :])
-            delta = packed_linear(act, *layer.down)
+            delta = layer.down(act)
         rows = batch.logits_indices
         if rows.numel() == 0:
             return hidden.new_empty(0, self.vocab_size)
         assert delta is not None
         x = ops.add_rms_norm(
-            hidden.index_select(0, rows), delta.index_select(0, rows), self._norm, self._norm_eps
+            hidden.index_select(0, rows),
+            delta.index_select(0, rows),
+            self._norm,
+            self._norm_eps,
+            dtype,
         )
-        return packed_linear(x, *self._lm_head)
+        # Sampling reads float32 logits whatever the weights' dtype.
+        return self._lm_head(x).float()
 
 
 def build_fast_forward(
@@ -206,7 +216,11 @@ def plan_fast_forward(
         _require(hasattr(base, name), f"the base model has no {name}")
     assert base is not None
     _require(isinstance(base.embed_tokens, nn.Embedding), "the embedding is not nn.Embedding")
-    _require(all(p.dtype == torch.float32 for p in model.parameters()), "weights are not float32")
+    dtype = base.embed_tokens.weight.dtype
+    _require(
+        dtype == packed.dtype and all(p.dtype == dtype for p in model.parameters()),
+        f"weights are not all {str(packed.dtype).removeprefix('torch.')}",
+    )
     _require(_is_rms_norm(base.norm), "the final norm is not an RMSNorm")
     _require(getattr(config, "hidden_act", None) == "silu", "the MLP activation is not SiLU")
     lm_head = packed.packed_weight(getattr(model, "lm_head", None))  # type: ignore[arg-type]
@@ -289,7 +303,13 @@ def _qk_norms(
 def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """transformers' RMSNorm over the last dimension of ``x`` ``[tokens, heads, head_dim]``
     (a view into the fused q/k/v output), written in place, operation by operation as the
-    module computes it so the result is the same to the bit."""
+    module computes it so the result is the same to the bit (bfloat16: in float32, rounded
+    once at the end)."""
+    if x.dtype != torch.float32:
+        wide = x.float()
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        x.copy_(weight.float() * (wide * torch.rsqrt(variance + eps)))
+        return
     variance = x.pow(2).mean(-1, keepdim=True)
     x.copy_(weight * (x * torch.rsqrt(variance + eps)))
 

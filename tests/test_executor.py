@@ -17,7 +17,7 @@ from cbgen.executor import registry
 from cbgen.executor.adapters import FastDecoder, HFModules
 from cbgen.executor.attention import NativeCpuAttention, TorchReferenceAttention
 from cbgen.executor.greedy import NativeArgmax, TorchArgmax
-from cbgen.executor.linear import OneDnnFp32Linear, TorchLinear
+from cbgen.executor.linear import OneDnnBf16Linear, OneDnnFp32Linear, TorchLinear
 from cbgen.executor.metadata import ProbeRecord
 from cbgen.executor.native import NativeKernels, NativeLayerOps
 from cbgen.kernels import decode_kernel
@@ -56,7 +56,8 @@ def test_native_backends_on_cpu():
     assert NativeCpuAttention(kernels).supports(model, BF16, CPU) is None  # bf16 caches too
     assert NativeArgmax(kernels).supports(model, BF16, CPU) is None  # logits are float32
     assert NativeLayerOps(kernels).supports(model, F32, CPU) is None
-    assert "float32" in NativeLayerOps(kernels).supports(model, BF16, CPU)
+    assert NativeLayerOps(kernels).supports(model, BF16, CPU) is None
+    assert "float16" in NativeLayerOps(kernels).supports(model, torch.float16, CPU)
 
 
 @needs_onednn
@@ -71,6 +72,8 @@ def test_onednn_linear_refuses_other_dtypes_devices_and_switches(monkeypatch):
     monkeypatch.setenv("CBGEN_NO_PREPACK", "1")
     assert "CBGEN_NO_PREPACK=1" in OneDnnFp32Linear().supports(model, F32, CPU)
     assert OneDnnFp32Linear(True).supports(model, F32, CPU) is None  # explicit wins
+    assert OneDnnBf16Linear(True).supports(model, BF16, CPU) is None
+    assert "bfloat16" in OneDnnBf16Linear(True).supports(model, F32, CPU)
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
@@ -106,7 +109,7 @@ def test_fast_decoder_refusals(monkeypatch):
     try:
         assert decoder.supports(model, F32, CPU) is None and decoder.fast_forward is not None
         assert "cuda" in decoder.supports(model, F32, CUDA)
-        assert "bfloat16" in decoder.supports(model, BF16, CPU)
+        assert "float16" in decoder.supports(model, torch.float16, CPU)
         handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
         assert "hooks" in decoder.supports(model, F32, CPU)
         handle.remove()

@@ -54,6 +54,37 @@ def test_step_logits_match_the_model_forward(arch):
     assert True in compared and False in compared  # decode-only and mixed steps both ran
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_step_logits_are_close_to_the_bfloat16_model_forward(arch):
+    """In bfloat16 the fast path keeps the residual stream and norms in float32, so it is
+    not bitwise transformers' bfloat16 forward: every step's logits within 5% (relative
+    norm of the difference) of the model's own bfloat16 forward on the same batch."""
+    model = make_tiny_model(arch).to(torch.bfloat16)
+    config = EngineConfig(max_batch_tokens=24, block_size=4)
+    with EngineCore(model, config) as engine:
+        runner = engine.runner
+        fast = runner.fast_forward
+        assert fast is not None, runner.describe()
+        errors = []
+
+        def both(batch):
+            logits = fast(batch)
+            runner.fast_forward = None
+            try:
+                reference = ModelRunner.execute(runner, batch)
+            finally:
+                runner.fast_forward = both
+            assert logits.dtype == reference.dtype == torch.float32
+            errors.append(float((logits - reference).norm() / reference.norm()))
+            return logits
+
+        runner.fast_forward = both
+        for prompt in random_prompts(5, 3, 30, seed=1):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        run_until_done(engine)
+    assert errors and max(errors) < 0.05, errors
+
+
 def test_outputs_equal_with_and_without_the_fast_path(monkeypatch):
     model = make_tiny_model("qwen2", seed=3)
     prompts = random_prompts(12, 1, 40, seed=2)

@@ -54,6 +54,8 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
         kernels.add_rms_norm(x, None, torch.ones(16), 1e-6)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.add_rms_norm(x.double(), None, torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="residual must be float32"):
+        kernels.add_rms_norm(x.bfloat16(), None, torch.ones(32), 1e-6)
     with pytest.raises(RuntimeError, match="delta"):
         kernels.add_rms_norm(x, torch.randn(3, 32), torch.ones(32), 1e-6)
     with pytest.raises(RuntimeError, match="qkv width"):
@@ -91,3 +93,59 @@ def test_rope_qkv_stores_keys_and_values_where_the_cache_write_would():
             fused_cache.values[0],
             torch.tensor([0, 1, 2, 3, 24]),
         )
+
+
+# -- the bfloat16 fast path: bfloat16 GEMM inputs/outputs and caches, float32 arithmetic ----
+
+BF16_ULP = 2**-8  # bfloat16 keeps 8 significant bits: one rounding is within this, relative
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_bfloat16_delta_and_output(weight_dtype):
+    """A bfloat16 delta is widened and added to the float32 residual; the result is the
+    float32 norm rounded once to bfloat16."""
+    torch.manual_seed(5)
+    residual = torch.randn(64, 576) * 3
+    delta = torch.randn(64, 576).to(torch.bfloat16)
+    weight = torch.randn(576).to(weight_dtype)
+    expected_residual = residual + delta.float()
+    w = weight.float()
+    variance = expected_residual.pow(2).mean(-1, keepdim=True)
+    expected = w * (expected_residual * torch.rsqrt(variance + 1e-5))
+    out = kernels.add_rms_norm(residual, delta, weight, 1e-5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and residual.dtype == torch.float32
+    assert torch.equal(residual, expected_residual)
+    torch.testing.assert_close(out.float(), expected, rtol=BF16_ULP, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("qkv_dtype", "cache_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_rope_qkv_bfloat16(qkv_dtype, cache_dtype):
+    """Rotation in float32, rounded once: queries come back in the cache's dtype and the
+    cache holds the rotated keys and the values, each within one bfloat16 rounding."""
+    from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
+
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, dim = 7, 4, 2, 16
+    cache = PagedKVCache(
+        [LayerSpec(kv_heads, dim, dim, cache_dtype)], 4, 4, device=torch.device("cpu")
+    )
+    slots = torch.tensor([0, 5, 6, 7, 8, 12, 15])
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 4).to(qkv_dtype)
+    cos, sin = torch.randn(tokens, dim), torch.randn(tokens, dim)
+    wide = qkv.float()
+    q_ref = wide[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
+    k_ref = wide[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q_ref, k_ref.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)
+    )
+    q = kernels.rope_qkv(qkv, cos, sin, heads, kv_heads, cache.keys[0], cache.values[0], slots)
+    assert q.dtype == cache_dtype
+    torch.testing.assert_close(q.float(), q_ref[0].transpose(0, 1), rtol=BF16_ULP, atol=1e-6)
+    stored_k = cache.keys[0].view(kv_heads, -1, dim)[:, slots].transpose(0, 1).float()
+    stored_v = cache.values[0].view(kv_heads, -1, dim)[:, slots].transpose(0, 1).float()
+    torch.testing.assert_close(stored_k, k_ref[0].transpose(0, 1), rtol=2 * BF16_ULP, atol=1e-6)
+    v_ref = wide[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    torch.testing.assert_close(stored_v, v_ref, rtol=BF16_ULP, atol=0)

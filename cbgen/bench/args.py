@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--model", default="smollm2", help="bundled name, HF folder or .gguf file")
     w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    w.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="cbgen and transformers run the model with weight-only int8 or 4-bit linear maps "
+        "(activations in --dtype); llama.cpp runs the bundled Q4_1 file as it is",
+    )
     w.add_argument("--quick", action="store_true", help="few prompts, few tokens, 1 repeat")
     w.add_argument("--repeats", type=int, help=f"timed runs per system (default {DEFAULT_REPEATS})")
     w.add_argument("--num-prompts", type=int, help="override every workload's prompt count")

@@ -82,6 +82,7 @@ class Bench:
             "model_folder": str(folder),
             "model_gguf": bundled_gguf(self.args.model),
             "dtype": self.args.dtype,
+            "quantization": self.args.quantization,
             "threads": self.threads,
             "cpus": self.cpus,
             "repeats": self.repeats,
@@ -153,7 +154,8 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         print(f"cbgen bench: results go to {self.out}")
         print(
-            f"cbgen bench: {self.threads} threads pinned to cores {self.cpus}, {args.dtype}, "
+            f"cbgen bench: {self.threads} threads pinned to cores {self.cpus}, {args.dtype}"
+            f"{' + ' + args.quantization if args.quantization else ''}, "
             f"{self.repeats} repeat(s), isolation {args.isolation}"
         )
         tokenizer = load_tokenizer(args.model)
@@ -218,6 +220,7 @@ class Bench:
             "threads": self.threads,
             "model": self.args.model,
             "dtype": self.args.dtype,
+            "quantization": self.args.quantization,
             "repeats": self.repeats,
             "quick": self.quick,
             "isolation": isolation,

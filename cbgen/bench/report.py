@@ -98,8 +98,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"# cbgen benchmark, {meta['started']}",
         "",
         f"- machine: {meta['cpu']}, cores {meta['cpus']}, {meta['threads']} threads",
-        f"- model {meta['model']}, {meta['dtype']}; repeats {meta['repeats']} (medians shown)"
-        + (", quick" if meta["quick"] else ""),
+        f"- model {meta['model']}, {meta['dtype']}"
+        f"{' + ' + meta['quantization'] if meta.get('quantization') else ''}; "
+        f"repeats {meta['repeats']} (medians shown)" + (", quick" if meta["quick"] else ""),
         f"- cbgen EngineConfig: {meta['engine_config']}; generate batch size "
         f"{meta['generate_batch_size']}",
         f"- versions: {meta['versions']}",
@@ -173,7 +174,8 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
     axes[0].legend(fontsize=8)
     meta = results["meta"]
     figure.suptitle(
-        f"cbgen bench: {meta['model']} {meta['dtype']}, {meta['threads']} threads"
+        f"cbgen bench: {meta['model']} {meta['dtype']}"
+        f"{' + ' + meta['quantization'] if meta.get('quantization') else ''}, {meta['threads']} threads"
         + (" (quick)" if meta["quick"] else "")
     )
     figure.tight_layout()

@@ -58,7 +58,12 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     }
     started = time.perf_counter()
     # The prompts come as token ids: no tokenizer in the measured process.
-    model, _ = load_model(spec.get("model", "smollm2"), dtype=dtype, tokenizer=False)
+    model, _ = load_model(
+        spec.get("model", "smollm2"),
+        dtype=dtype,
+        tokenizer=False,
+        quantization=spec.get("quantization"),
+    )
     result["load_s"] = time.perf_counter() - started
     result["rss_after_load_kib"] = proc_status_kib("VmRSS")
 

@@ -2,7 +2,7 @@
 
 * ``FastDecoder``: the Llama-family decoder run without transformers' module code
   (``cbgen.fast_forward``), from the chosen linear, layer-ops and attention
-  backends. Float32 on CPU, prepacked linear maps, native layer ops, no hooks, and
+  backends. Float32 or bfloat16 on CPU, prepacked linear maps, native layer ops, no hooks, and
   every layer of the expected shape.
 * ``HFModules``: the model's own ``forward``; attention reaches the chosen backend
   through transformers' attention interface (``cbgen.attention``). Serves any model.
@@ -42,8 +42,8 @@ class FastDecoder(ModelAdapter):
     def supports(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
         if os.environ.get(DISABLE_ENV) == "1":
             return f"turned off ({DISABLE_ENV}=1)"
-        if device.type != "cpu" or dtype != torch.float32:
-            return f"it runs float32 on CPU and the model is {dtype} on {device.type}"
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return f"it runs float32 or bfloat16 on CPU and the model is {dtype} on {device.type}"
         if self.layer_ops is None:
             return "it needs the native layer ops (refused: see layer_ops)"
         if not isinstance(self.linear, OneDnnFp32Linear) or self.linear.packed is None:

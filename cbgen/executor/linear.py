@@ -1,5 +1,6 @@
-"""Linear backends: oneDNN prepacked float32 on CPU (``cbgen.prepack``), or the model's own
-``nn.Linear`` (``F.linear``) everywhere else. bfloat16 and int8 backends go here."""
+"""Linear backends: oneDNN prepacked float32 or bfloat16 on CPU (``cbgen.prepack``), with the
+int8 and 4-bit maps of a quantized model (``cbgen.quantization``) fused alongside; or the
+model's own ``nn.Linear`` (``F.linear``) everywhere else."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from .base import LinearBackend
 class OneDnnFp32Linear(LinearBackend):
     """Every float32 CPU ``nn.Linear`` switched to a oneDNN prepacked weight, q/k/v and
     gate/up fused into one GEMM each (``PackedLinears``), for the executor's lifetime.
+    Quantized modules (``cbgen.quantization``) get their own kernels, fused the same way.
 
     ``enabled``: ``EngineConfig.prepack_linear``; ``None`` means on unless
-    ``CBGEN_NO_PREPACK=1``, ``True`` packs whatever the environment says. Float32
-    models on CPU only: a model of another dtype is refused (``prepack_linear=True``
-    used to pack its float32 modules, if it had any, and none of the others).
+    ``CBGEN_NO_PREPACK=1``, ``True`` packs whatever the environment says. Models of
+    ``dtype`` on CPU only: a model of another dtype is refused.
     """
 
     name = "onednn-fp32-prepacked"
+    dtype = torch.float32
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = enabled
@@ -35,14 +37,14 @@ class OneDnnFp32Linear(LinearBackend):
             return f"turned off ({DISABLE_ENV}=1)"
         if device.type != "cpu":
             return f"oneDNN prepacking runs on CPU and the model is on {device.type}"
-        if dtype != torch.float32:
-            return f"it packs float32 weights and the model is {dtype}"
+        if dtype != self.dtype:
+            return f"it packs {str(self.dtype).removeprefix('torch.')} weights and the model is {dtype}"
         if not prepack_supported():
             return "this torch build has no oneDNN packed-linear ops"
         return None
 
     def apply(self, model: nn.Module) -> None:
-        self.packed = PackedLinears(model)
+        self.packed = PackedLinears(model, dtype=self.dtype)
 
     @property
     def modules_served(self) -> int:
@@ -52,6 +54,14 @@ class OneDnnFp32Linear(LinearBackend):
         if self.packed is not None:
             self.packed.restore()
             self.packed = None
+
+
+class OneDnnBf16Linear(OneDnnFp32Linear):
+    """The same for bfloat16 weights: oneDNN's AVX512_BF16 GEMMs with float32
+    accumulation (on CPUs without it oneDNN still runs them, more slowly)."""
+
+    name = "onednn-bf16-prepacked"
+    dtype = torch.bfloat16
 
 
 class TorchLinear(LinearBackend):

@@ -61,7 +61,8 @@ class NativeKernels:
 
 class NativeLayerOps(LayerOps):
     """``add_rms_norm`` and ``rope_qkv`` from ``cbgen/kernels/layer_ops.cpp``: float32 on
-    CPU, following transformers' Llama formulas operation by operation."""
+    CPU, following transformers' Llama formulas operation by operation (bfloat16 GEMM
+    inputs and outputs and caches, with float32 arithmetic)."""
 
     name = "native-layer-ops"
 
@@ -72,8 +73,8 @@ class NativeLayerOps(LayerOps):
         reason = self.kernels.refusal(device, "rope_qkv")
         if reason is not None:
             return reason
-        if dtype != torch.float32:
-            return f"the fused layer ops compute in float32 and the model is {dtype}"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"the fused layer ops take float32 or bfloat16 and the model is {dtype}"
         module = self.kernels.module()
         assert module is not None
         self.add_rms_norm = module.add_rms_norm

@@ -22,7 +22,7 @@ from .adapters import FastDecoder, HFModules
 from .attention import NativeCpuAttention, TorchReferenceAttention
 from .base import Backend, LayerOps, LinearBackend
 from .greedy import NativeArgmax, TorchArgmax
-from .linear import OneDnnFp32Linear, TorchLinear
+from .linear import OneDnnBf16Linear, OneDnnFp32Linear, TorchLinear
 from .metadata import ProbeRecord
 from .native import NativeKernels, NativeLayerOps
 
@@ -56,7 +56,11 @@ _CANDIDATES: dict[str, list[Factory]] = {
         lambda ctx: NativeCpuAttention(ctx.kernels),
         lambda ctx: TorchReferenceAttention(),
     ],
-    "linear": [lambda ctx: OneDnnFp32Linear(ctx.prepack_linear), lambda ctx: TorchLinear()],
+    "linear": [
+        lambda ctx: OneDnnFp32Linear(ctx.prepack_linear),
+        lambda ctx: OneDnnBf16Linear(ctx.prepack_linear),
+        lambda ctx: TorchLinear(),
+    ],
     "layer_ops": [lambda ctx: NativeLayerOps(ctx.kernels)],
     "greedy": [lambda ctx: NativeArgmax(ctx.kernels), lambda ctx: TorchArgmax()],
     "model": [

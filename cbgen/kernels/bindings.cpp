@@ -6,7 +6,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                                   const at::Tensor& context_lens, double scale,
                                   int64_t sliding_window, double softcap);
 at::Tensor add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& delta,
-                        const at::Tensor& weight, double eps);
+                        const at::Tensor& weight, double eps,
+                        c10::optional<at::ScalarType> out_dtype);
 at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                     int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& key_cache,
                     const c10::optional<at::Tensor>& value_cache,
@@ -15,7 +16,9 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; RMSNorm of the residual (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; RMSNorm of the residual (CPU)",
+        py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
+        py::arg("out_dtype") = py::none());
   m.def("rope_qkv", &rope_qkv, "rotary embedding of a fused q/k/v projection (CPU)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
         py::arg("key_cache") = py::none(), py::arg("value_cache") = py::none(),

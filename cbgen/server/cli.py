@@ -23,7 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("CBGEN_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $CBGEN_API_KEY)",
     )
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (default: float32, bfloat16 with --quantization)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
+    )
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     parser.add_argument("--num-blocks", type=int, help="KV cache blocks (default: memory budget)")
     parser.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
@@ -132,7 +141,11 @@ def serve(args: argparse.Namespace) -> int:
             "cbgen serve: binding %s without an API key: anyone who can reach it can use it",
             args.host,
         )
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(
+        args.model,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        quantization=args.quantization,
+    )
     config = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,

@@ -1,0 +1,112 @@
+"""Time every kind of linear map cbgen can run on all of a model's layer maps, per step.
+
+``python bench/linear_kernels.py --rows 1,64,256 --threads 2``
+
+For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
+weight-only int8 and 4-bit) it builds the bundled model's layer maps with q/k/v and
+gate/up fused as the fast decoder runs them, one set of distinct weights per layer
+(so one row reads its weights from memory, as a real decode step does, instead of
+from a cache a repeated small matrix would stay in), plus the LM head, and reports
+the median time of one pass over all of them, with the weight bytes each pass reads
+and the bandwidth that makes. Activations are each kind's input dtype (bfloat16 for
+the quantized kinds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cbgen
+from cbgen.prepack import PackedMap
+from cbgen.quantization import QuantizedLinear
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def layer_shapes(model: nn.Module) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
+    """(layers, the fused per-layer shapes [out, in], the LM head's shape)."""
+    config = model.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    per_layer = [
+        ((heads + 2 * kv) * head_dim, hidden),  # q/k/v
+        (hidden, heads * head_dim),  # o
+        (2 * inter, hidden),  # gate/up
+        (hidden, inter),  # down
+    ]
+    return config.num_hidden_layers, per_layer, (config.vocab_size, hidden)
+
+
+def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torch.dtype]:
+    """A kernel for ``weight`` in ``kind``, the bytes it reads, its input dtype."""
+    if kind in ("fp32", "bf16"):
+        dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        w = weight.to(dtype)
+        return (lambda x: F.linear(x, w)), w.numel() * w.element_size(), dtype
+    if kind in ("fp32-packed", "bf16-packed"):
+        dtype = torch.float32 if kind == "fp32-packed" else torch.bfloat16
+        packed = PackedMap(weight.to(dtype), None, rows)
+        return packed, weight.numel() * torch.empty((), dtype=dtype).element_size(), dtype
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
+    module = QuantizedLinear.from_linear(linear, kind)
+    linear_map = QuantizedLinear.fused_map([module])
+    assert linear_map is not None
+    tensors = [t for t in vars(linear_map).values() if isinstance(t, torch.Tensor)]
+    return linear_map, sum(t.numel() * t.element_size() for t in tensors), torch.bfloat16
+
+
+def measure(kind: str, model: nn.Module, rows: int, repeats: int) -> dict[str, float]:
+    layers, shapes, head = layer_shapes(model)
+    generator = torch.Generator().manual_seed(0)
+    kernels: list[tuple[Kernel, torch.Tensor]] = []
+    total_bytes = 0
+    for out_features, in_features in [s for _ in range(layers) for s in shapes] + [head]:
+        weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+        kernel, nbytes, dtype = build(kind, weight, rows)
+        kernels.append((kernel, torch.randn(rows, in_features, generator=generator).to(dtype)))
+        total_bytes += nbytes
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            for kernel, x in kernels:
+                kernel(x)
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times[2:])
+    return {"ms": median * 1e3, "mb": total_bytes / 1e6, "gbs": total_bytes / median / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,64,256")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--kinds", default="fp32,fp32-packed,bf16,bf16-packed,int8,int4", help="comma-separated"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = cbgen.load_model("smollm2", tokenizer=False)
+    print("| kind | rows | ms per step (all maps + LM head) | MB read | GB/s | tok/s ceiling |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        for kind in args.kinds.split(","):
+            r = measure(kind, model, rows, args.repeats)
+            print(
+                f"| {kind} | {rows} | {r['ms']:.1f} | {r['mb']:.0f} | {r['gbs']:.1f} | "
+                f"{rows / r['ms'] * 1e3:.0f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Weight-only int8 and 4-bit linear maps (``cbgen.quantization``): the codes against the
+weights they stand for, the kernels against a float32 reference on random shapes, and
+quantized models through the engine's paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_model, random_prompts, run_until_done
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from cbgen import EngineConfig, EngineCore, SamplingParams, generate_batch
+from cbgen.kernels import decode_kernel
+from cbgen.prepack import PackedLinears
+from cbgen.quantization import (
+    QuantizedLinear,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    validate_mode,
+)
+from cbgen.runner import ModelRunner
+
+# The kernels take bfloat16 activations and accumulate in float32; against the float32
+# product of the dequantized weight and the bfloat16-rounded input, the error is the
+# output's one rounding to bfloat16 plus the scales' (2^-8 relative each).
+KERNEL_RTOL = 2**-6
+
+
+def _reference(module: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    bias = module.bias.float() if module.bias is not None else None
+    return F.linear(x.to(torch.bfloat16).float(), dequantize(module), bias)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-6))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    mode=st.sampled_from(["int8", "int4"]),
+    out_blocks=st.integers(1, 6),
+    in_groups=st.integers(1, 6),
+    rows=st.integers(1, 70),
+    bias=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_kernels_match_the_dequantized_float32_product(
+    mode, out_blocks, in_groups, rows, bias, dtype
+):
+    torch.manual_seed(out_blocks * 100 + in_groups * 10 + rows)
+    linear = nn.Linear(32 * in_groups, 16 * out_blocks, bias=bias)
+    module = QuantizedLinear.from_linear(linear, mode)
+    x = torch.randn(rows, linear.in_features).to(dtype)
+    with torch.inference_mode():
+        got = module(x)
+    assert got.dtype == dtype and got.shape == (rows, linear.out_features)
+    assert _relative_error(got, _reference(module, x)) < KERNEL_RTOL
+
+
+def test_codes_stand_for_the_weights():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128)
+    codes, scales = quantize_int8(weight)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+    # Rounding to the nearest code: within half a step of each channel's scale.
+    assert bool(
+        ((codes.float() * scales[:, None] - weight).abs() <= scales[:, None] / 2 + 1e-6).all()
+    )
+    codes4, scales4, minima = quantize_int4(weight, 32)
+    assert int(codes4.max()) == 15 and int(codes4.min()) == 0
+    rebuilt = codes4.float().view(64, 4, 32) * scales4[..., None] + minima[..., None]
+    error = (rebuilt.view(64, 128) - weight).abs().view(64, 4, 32)
+    assert bool((error <= scales4[..., None] / 2 + 1e-5).all())
+
+
+def test_int4_finds_a_q4_1_grid_back():
+    """Weights already on a Q4_1 grid (a scale and a minimum per 32 columns, codes 0..15
+    with both ends used), as the bundled GGUF's are once dequantized: 4-bit quantization
+    recovers them up to the bfloat16 rounding of the scales."""
+    torch.manual_seed(1)
+    scales = torch.rand(48, 2) * 0.01 + 0.001
+    minima = -torch.rand(48, 2) * 0.05
+    codes = torch.randint(0, 16, (48, 2, 32))
+    codes[..., 0], codes[..., 1] = 0, 15
+    weight = (codes * scales[..., None] + minima[..., None]).view(48, 64)
+    module = QuantizedLinear.from_linear(_with_weight(weight), "int4")
+    assert torch.allclose(dequantize(module), weight, atol=1e-6)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        got = module(x)
+    want = F.linear(x.to(torch.bfloat16).float(), weight)
+    assert _relative_error(got, want) < KERNEL_RTOL
+
+
+def _with_weight(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight.clone()
+    return linear
+
+
+def test_bad_modes_and_group_sizes_are_refused():
+    with pytest.raises(ValueError, match="int8"):
+        validate_mode("int3")
+    assert validate_mode(None) is None and validate_mode("int4") == "int4"
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_model(nn.Sequential(nn.Linear(64, 16)), "int4", group_size=48)
+
+
+def test_quantize_model_replaces_linears_and_keeps_unfit_shapes():
+    model = nn.ModuleList(
+        [nn.Linear(64, 32), nn.Linear(32, 24), nn.Linear(24, 16), nn.Linear(96, 16)]
+    )
+    # 24 outputs are not blocks of 16; 24 inputs are not groups of 32.
+    assert quantize_model(model, "int4") == 2
+    assert isinstance(model[0], QuantizedLinear) and isinstance(model[3], QuantizedLinear)
+    assert type(model[1]) is nn.Linear and type(model[2]) is nn.Linear
+    assert quantize_model(nn.ModuleList([nn.Linear(24, 8)]), "int8") == 1  # any shape
+    assert "mode=int4, group_size=32" in repr(model[0])
+    assert {"codes", "scales", "minima", "bias"} <= {k.split(".")[-1] for k in model.state_dict()}
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_fused_siblings_equal_separate_kernels(mode):
+    """q/k/v served by one kernel over concatenated codes: the same columns as each alone."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, n) for n in (64, 32, 32))
+
+    torch.manual_seed(2)
+    block = Block()
+    quantize_model(block, mode)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        alone = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+        packed = PackedLinears(block)
+        assert packed.fused_groups == 1
+        fused = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+        packed.restore()
+    for a, b in zip(alone, fused, strict=True):
+        assert torch.equal(a, b)
+
+
+needs_kernel = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_models_run_the_fast_decoder_close_to_their_module_forward(mode, dtype):
+    """The fast decoder serves a quantized Llama (bfloat16 or float32 around the quantized
+    GEMMs): every step's logits within 5% (relative norm) of the model's own forward."""
+    model = make_tiny_model("llama").to(dtype)
+    quantize_model(model, mode)
+    with EngineCore(model, EngineConfig(max_batch_tokens=24, block_size=4)) as engine:
+        runner = engine.runner
+        fast = runner.fast_forward
+        assert fast is not None, runner.describe()
+        errors = []
+
+        def both(batch):
+            logits = fast(batch)
+            runner.fast_forward = None
+            try:
+                reference = ModelRunner.execute(runner, batch)
+            finally:
+                runner.fast_forward = both
+            errors.append(float((logits - reference).norm() / reference.norm()))
+            return logits
+
+        runner.fast_forward = both
+        for prompt in random_prompts(4, 3, 20, seed=4):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+        run_until_done(engine)
+    assert errors and max(errors) < 0.05, errors
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_through_generate_batch_on_the_module_path(mode, monkeypatch):
+    """Any architecture: transformers' modules call the quantized maps (Phi-3 has fused
+    qkv_proj and gate_up_proj of its own, outside the fast decoder)."""
+    model = make_tiny_model("phi3").to(torch.bfloat16)
+    assert quantize_model(model, mode) > 0
+    prompts = random_prompts(6, 2, 20, seed=5)
+    outputs = generate_batch(model, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [8] * 6
+
+
+def test_load_model_quantizes_the_bundled_model():
+    """``load_model(..., quantization=...)``: bfloat16 around int4 layer maps and an int8 LM
+    head; greedy output on a real prompt agrees with float32's for its first tokens."""
+    import cbgen
+
+    model, tokenizer = cbgen.load_model("smollm2", quantization="int4")
+    kinds = {m.mode for m in model.modules() if isinstance(m, QuantizedLinear)}
+    assert kinds == {"int4", "int8"} and model.lm_head.mode == "int8"
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    reference, _ = cbgen.load_model("smollm2", tokenizer=False)
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    got = generate_batch(model, [prompt], params)[0].token_ids
+    want = generate_batch(reference, [prompt], params)[0].token_ids
+    assert got[:2] == want[:2], (tokenizer.decode(got), tokenizer.decode(want))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        cbgen.load_model("smollm2", quantization="fp4")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_through_the_online_engine_and_the_server(mode):
+    """A quantized model behind the OpenAI-compatible server, asked by the openai client."""
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    from test_server import smollm2_tokenizer, tiny_model, uvicorn_in_thread
+
+    from cbgen.online import Engine
+    from cbgen.server import create_app
+
+    tokenizer = smollm2_tokenizer()
+    model = tiny_model(tokenizer).to(torch.bfloat16)
+    quantize_model(model, mode)
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=32, block_size=16))
+    try:
+        app = create_app(engine, tokenizer, "tiny-quantized")
+        uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        with uvicorn_in_thread(uv) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            reply = client.completions.create(
+                model="tiny-quantized", prompt="Hello there", max_tokens=5, temperature=0
+            )
+            assert reply.usage.completion_tokens == 5 and reply.choices[0].text
+    finally:
+        engine.close()
