@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights' dtype (default: float32, bfloat16 with --quantization)",
     )
     gen.add_argument(
+        "--kv-cache-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="K/V cache dtype (default: the weights'); bfloat16 halves the cache",
+    )
+    gen.add_argument(
         "--quantization",
         choices=["int8", "int4"],
         help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
@@ -99,6 +104,7 @@ def generate_command(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     started = time.perf_counter()
     outputs = generate_batch(model, token_ids, params, config, progress=args.progress)

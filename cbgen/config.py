@@ -4,9 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 SCHEDULER_POLICIES = ("fifo", "prefill_first")
 PREEMPTION_MODES = ("recompute", "swap")
 ADMISSION_MODES = ("eager", "full_length")
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_kv_cache_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``EngineConfig.kv_cache_dtype`` as a torch dtype (None: the model's), or a ValueError."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, str):
+        candidate = getattr(torch, value, None)
+        if not isinstance(candidate, torch.dtype):
+            candidate = None
+        value = candidate if candidate is not None else value
+    if value not in KV_CACHE_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in KV_CACHE_DTYPES)
+        raise ValueError(f"kv_cache_dtype must be None or one of {names}, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 @dataclass
@@ -47,6 +65,11 @@ class EngineConfig:
     synchronous loop; a request that stops at step ``N`` has one wasted token in
     step ``N + 1``.
 
+    ``kv_cache_dtype`` stores K/V in another dtype than the model's: ``torch.bfloat16``
+    (or ``"bfloat16"``) under float32 weights halves the cache's memory, K/V rounded
+    to 8 bits of mantissa as they are written, attention still computed in float32;
+    ``None`` (the default) is the model's dtype, the exact mode.
+
     ``max_waiting_requests`` and ``max_queued_tokens`` bound the online engine's
     queue (``cbgen.Engine``, and so the server): requests added but not started yet,
     and their prompt tokens. Past either, ``add_request`` raises
@@ -73,8 +96,10 @@ class EngineConfig:
     prepack_linear: bool | None = None
     max_waiting_requests: int | None = None
     max_queued_tokens: int | None = None
+    kv_cache_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

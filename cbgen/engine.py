@@ -6,7 +6,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,7 +16,7 @@ from .cache.groups import build_groups, max_request_tokens, tensor_layout
 from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
 from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .cache.swap import SwapSpace
-from .config import EngineConfig
+from .config import EngineConfig, resolve_kv_cache_dtype
 from .executor.runner import Executor
 from .input_processor import InputProcessor
 from .openmp import release_thread_team
@@ -58,6 +58,9 @@ class EngineCore:
     def _build(self, model: torch.nn.Module) -> None:
         config = self.config
         layers = self.runner.probe.layers
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
+        if kv_dtype is not None:  # the cache's dtype, not the model's
+            layers = [replace(spec, dtype=kv_dtype) for spec in layers]
         self.cache_groups = build_groups(layers)
         per_token = bytes_per_token(tensor_layout(layers, self.cache_groups)[1])
         if config.num_blocks is not None:

@@ -134,7 +134,10 @@ class PagedKVCache:
     def write(
         self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
-        """Store ``key``/``value`` (``[kv_heads, tokens, dim]``) at the given flat slots."""
+        """Store ``key``/``value`` (``[kv_heads, tokens, dim]``) at the given flat slots, in
+        the cache's dtype (``EngineConfig.kv_cache_dtype`` may differ from the model's)."""
         keys, values = self.keys[layer], self.values[layer]
-        keys.view(keys.shape[0], -1, keys.shape[-1]).index_copy_(1, slots, key)
-        values.view(values.shape[0], -1, values.shape[-1]).index_copy_(1, slots, value)
+        keys.view(keys.shape[0], -1, keys.shape[-1]).index_copy_(1, slots, key.to(keys.dtype))
+        values.view(values.shape[0], -1, values.shape[-1]).index_copy_(
+            1, slots, value.to(values.dtype)
+        )

@@ -78,6 +78,7 @@ class TorchReferenceAttention(AttentionBackend):
                 length = span.context_len - key_start
                 span_k = key_cache.index_select(1, block_ids).flatten(1, 2)[:, :length]
                 span_v = value_cache.index_select(1, block_ids).flatten(1, 2)[:, :length]
+                span_k, span_v = span_k.to(q.dtype), span_v.to(q.dtype)
             out[:, rows] = prefill_attention(
                 q[:, rows], span_k, span_v, span, scale, sliding_window, softcap, key_start
             )
@@ -137,9 +138,11 @@ class NativeCpuAttention(AttentionBackend):
             block_tables, context_lens = tables.decode_block_tables, tables.decode_context_lens
         else:  # the builder gives every row a table when the step has prefill rows
             block_tables, context_lens = tables.row_block_tables, tables.row_context_lens
-        return self._kernel(
-            q.transpose(0, 1).contiguous(),
-            cache.keys[layer],
+        key_cache = cache.keys[layer]
+        # The kernel reads queries in the cache's dtype (kv_cache_dtype may differ).
+        out = self._kernel(
+            q.transpose(0, 1).to(key_cache.dtype).contiguous(),
+            key_cache,
             cache.values[layer],
             block_tables,
             context_lens,
@@ -147,6 +150,7 @@ class NativeCpuAttention(AttentionBackend):
             sliding_window or 0,
             softcap or 0.0,
         )
+        return out.to(q.dtype)
 
     def decode(
         self,
@@ -159,7 +163,7 @@ class NativeCpuAttention(AttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         out = self._kernel(
-            q.transpose(0, 1).contiguous(),
+            q.transpose(0, 1).to(key_cache.dtype).contiguous(),
             key_cache,
             value_cache,
             tables.decode_block_tables,
@@ -168,7 +172,7 @@ class NativeCpuAttention(AttentionBackend):
             sliding_window or 0,
             softcap or 0.0,
         )
-        return out.transpose(0, 1)
+        return out.transpose(0, 1).to(q.dtype)
 
 
 def decode_attention(
@@ -197,6 +201,7 @@ def decode_attention(
     flat_tables = block_tables.flatten()
     keys = key_cache.index_select(1, flat_tables).view(num_kv_heads, num_seqs, width, -1)
     values = value_cache.index_select(1, flat_tables).view(num_kv_heads, num_seqs, width, -1)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a cache of another dtype
     q = q.view(num_kv_heads, group, num_seqs, head_dim).transpose(1, 2)  # [kv, seqs, group, dim]
     scores = torch.matmul(q, keys.transpose(2, 3)).float()  # [kv, seqs, group, ctx]
     scores.mul_(scale)

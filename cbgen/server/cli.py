@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights' dtype (default: float32, bfloat16 with --quantization)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="K/V cache dtype (default: the weights'); bfloat16 halves the cache",
+    )
+    parser.add_argument(
         "--quantization",
         choices=["int8", "int4"],
         help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
@@ -155,6 +160,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         max_waiting_requests=args.max_waiting_requests,
         max_queued_tokens=args.max_queued_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = Engine(
         model,
