@@ -91,8 +91,18 @@ def compile_flags() -> list[str]:
 
 
 def machine_key() -> str:
-    """A short hash of what a ``-march=native`` binary depends on: CPU, flags, torch."""
+    """A short hash of what a ``-march=native`` binary depends on: CPU, flags, torch, and
+    the sources themselves, so two checkouts of different versions sharing one cache
+    directory keep a build each instead of rebuilding over each other in turn."""
     import torch
 
-    parts = [platform.machine(), torch.__version__, " ".join(compile_flags()), cpu_signature()]
+    here = Path(__file__).parent
+    sources = hashlib.sha256(b"".join((here / name).read_bytes() for name in SOURCES))
+    parts = [
+        platform.machine(),
+        torch.__version__,
+        " ".join(compile_flags()),
+        cpu_signature(),
+        sources.hexdigest(),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
