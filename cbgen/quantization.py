@@ -262,7 +262,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> int:
 
     The LM head (``get_output_embeddings()``) is int8 in both modes: 4-bit logits cost
     the most quality for the fewest bytes (greedy agreement with float32 over 32 tokens
-    of the short64 prompts went from 7 to 23 tokens on average), which is why
+    of 64 short prompts went from 7 to 23 tokens on average), which is why
     GGUF's Q4 files keep their output matrix at 8 bits or more. A tied LM head is
     quantized as its own copy; the embedding keeps the full-precision matrix.
     A map whose shape the 4-bit kernel cannot take (input columns not in whole groups,

@@ -117,7 +117,12 @@ def run_cbgen(
             run = _drive(built, prompts, max_new_tokens, started)
         run.wall_s = time.perf_counter() - started
         run.setup_s = setup
-    run.config = {"engine_config": vars(config)}
+    # JSON-ready: a torch dtype (kv_cache_dtype) as its name.
+    settings = {
+        k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+        for k, v in vars(config).items()
+    }
+    run.config = {"engine_config": settings}
     return run
 
 
