@@ -13,7 +13,7 @@ import time
 
 from .config import EngineConfig
 from .generate import generate_batch
-from .models import load_model
+from .precision_args import add_precision_arguments, load_model_for
 from .sampling import SamplingParams
 
 
@@ -31,21 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="weights' dtype (default: float32, bfloat16 with --quantization)",
-    )
-    gen.add_argument(
-        "--kv-cache-dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="K/V cache dtype (default: the weights'); bfloat16 halves the cache",
-    )
-    gen.add_argument(
-        "--quantization",
-        choices=["int8", "int4"],
-        help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
-    )
+    add_precision_arguments(gen)
     gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     gen.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     gen.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -75,17 +61,12 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    import torch
 
     prompts = _read_prompts(args)
     if not prompts:
         print("cbgen generate: give at least one --prompt or a --prompts-file", file=sys.stderr)
         return 2
-    model, tokenizer = load_model(
-        args.model,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
-        quantization=args.quantization,
-    )
+    model, tokenizer = load_model_for(args)
     if args.no_chat_template:
         token_ids = [tokenizer(p)["input_ids"] for p in prompts]
     else:  # raw text for a tokenizer without a chat template

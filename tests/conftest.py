@@ -233,3 +233,36 @@ def hold_engine(engine):
     finally:
         release.set()
         engine.get_result(rid, timeout=60)
+
+
+def fast_path_errors(model, prompts, max_new_tokens: int = 6) -> list[float]:
+    """Run ``prompts`` through an engine whose fast decoder must serve ``model``, and for
+    every step the relative norm of the difference between the fast path's logits and the
+    model's own forward on the same batch and cache."""
+    import cbgen
+    from cbgen.runner import ModelRunner
+
+    config = cbgen.EngineConfig(max_batch_tokens=24, block_size=4)
+    errors: list[float] = []
+    with cbgen.EngineCore(model, config) as engine:
+        runner = engine.runner
+        fast = runner.fast_forward
+        assert fast is not None, runner.describe()
+
+        def both(batch):
+            logits = fast(batch)
+            runner.fast_forward = None  # the module path, on the same batch and cache
+            try:
+                reference = ModelRunner.execute(runner, batch)
+            finally:
+                runner.fast_forward = both
+            assert logits.dtype == reference.dtype == torch.float32
+            errors.append(float((logits - reference).norm() / reference.norm()))
+            return logits
+
+        runner.fast_forward = both
+        params = cbgen.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        run_until_done(engine)
+    return errors

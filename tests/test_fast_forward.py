@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, random_prompts, run_until_done
+from conftest import fast_path_errors, make_tiny_model, random_prompts, run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.fast_forward import DISABLE_ENV
@@ -60,28 +60,7 @@ def test_bfloat16_step_logits_are_close_to_the_bfloat16_model_forward(arch):
     not bitwise transformers' bfloat16 forward: every step's logits within 5% (relative
     norm of the difference) of the model's own bfloat16 forward on the same batch."""
     model = make_tiny_model(arch).to(torch.bfloat16)
-    config = EngineConfig(max_batch_tokens=24, block_size=4)
-    with EngineCore(model, config) as engine:
-        runner = engine.runner
-        fast = runner.fast_forward
-        assert fast is not None, runner.describe()
-        errors = []
-
-        def both(batch):
-            logits = fast(batch)
-            runner.fast_forward = None
-            try:
-                reference = ModelRunner.execute(runner, batch)
-            finally:
-                runner.fast_forward = both
-            assert logits.dtype == reference.dtype == torch.float32
-            errors.append(float((logits - reference).norm() / reference.norm()))
-            return logits
-
-        runner.fast_forward = both
-        for prompt in random_prompts(5, 3, 30, seed=1):
-            engine.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
-        run_until_done(engine)
+    errors = fast_path_errors(model, random_prompts(5, 3, 30, seed=1))
     assert errors and max(errors) < 0.05, errors
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model, random_prompts, run_until_done
+from conftest import fast_path_errors, make_tiny_model, random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from cbgen import EngineConfig, EngineCore, SamplingParams, generate_batch
+from cbgen import EngineConfig, SamplingParams, generate_batch
 from cbgen.kernels import decode_kernel
 from cbgen.prepack import PackedLinears
 from cbgen.quantization import (
@@ -23,7 +23,6 @@ from cbgen.quantization import (
     quantize_model,
     validate_mode,
 )
-from cbgen.runner import ModelRunner
 
 # The kernels take bfloat16 activations and accumulate in float32; against the float32
 # product of the dequantized weight and the bfloat16-rounded input, the error is the
@@ -158,26 +157,7 @@ def test_quantized_models_run_the_fast_decoder_close_to_their_module_forward(mod
     GEMMs): every step's logits within 5% (relative norm) of the model's own forward."""
     model = make_tiny_model("llama").to(dtype)
     quantize_model(model, mode)
-    with EngineCore(model, EngineConfig(max_batch_tokens=24, block_size=4)) as engine:
-        runner = engine.runner
-        fast = runner.fast_forward
-        assert fast is not None, runner.describe()
-        errors = []
-
-        def both(batch):
-            logits = fast(batch)
-            runner.fast_forward = None
-            try:
-                reference = ModelRunner.execute(runner, batch)
-            finally:
-                runner.fast_forward = both
-            errors.append(float((logits - reference).norm() / reference.norm()))
-            return logits
-
-        runner.fast_forward = both
-        for prompt in random_prompts(4, 3, 20, seed=4):
-            engine.add_request(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
-        run_until_done(engine)
+    errors = fast_path_errors(model, random_prompts(4, 3, 20, seed=4), max_new_tokens=5)
     assert errors and max(errors) < 0.05, errors
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 
 from ..config import EngineConfig
+from ..precision_args import add_precision_arguments, load_model_for
 from .guard import LOOPBACK_HOSTS
 
 logger = logging.getLogger(__name__)
@@ -23,21 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("CBGEN_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $CBGEN_API_KEY)",
     )
-    parser.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="weights' dtype (default: float32, bfloat16 with --quantization)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="K/V cache dtype (default: the weights'); bfloat16 halves the cache",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=["int8", "int4"],
-        help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
-    )
+    add_precision_arguments(parser)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     parser.add_argument("--num-blocks", type=int, help="KV cache blocks (default: memory budget)")
     parser.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
@@ -133,9 +120,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import torch
 
-    from ..models import load_model
     from ..online import Engine
     from .app import create_app
     from .lifecycle import make_server
@@ -146,11 +131,7 @@ def serve(args: argparse.Namespace) -> int:
             "cbgen serve: binding %s without an API key: anyone who can reach it can use it",
             args.host,
         )
-    model, tokenizer = load_model(
-        args.model,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
-        quantization=args.quantization,
-    )
+    model, tokenizer = load_model_for(args)
     config = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
