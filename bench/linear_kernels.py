@@ -58,8 +58,7 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data = weight
     module = QuantizedLinear.from_linear(linear, kind)
-    linear_map = QuantizedLinear.fused_map([module])
-    assert linear_map is not None
+    linear_map = module.kernel()
     tensors = [t for t in vars(linear_map).values() if isinstance(t, torch.Tensor)]
     return linear_map, sum(t.numel() * t.element_size() for t in tensors), torch.bfloat16
 

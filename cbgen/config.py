@@ -16,11 +16,8 @@ def resolve_kv_cache_dtype(value: torch.dtype | str | None) -> torch.dtype | Non
     """``EngineConfig.kv_cache_dtype`` as a torch dtype (None: the model's), or a ValueError."""
     if value is None or value == "auto":
         return None
-    if isinstance(value, str):
-        candidate = getattr(torch, value, None)
-        if not isinstance(candidate, torch.dtype):
-            candidate = None
-        value = candidate if candidate is not None else value
+    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+        value = getattr(torch, value)
     if value not in KV_CACHE_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in KV_CACHE_DTYPES)
         raise ValueError(f"kv_cache_dtype must be None or one of {names}, got {value!r}")

@@ -154,24 +154,38 @@ class QuantizedLinear(nn.Module):
             f"mode={self.mode}{group}, bias={self.bias is not None}"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel(self) -> LinearMap:
+        """This module's own kernel, built on first use (the executor's probe forward) and
+        kept until a fused group takes its place."""
         if self._map is None:
-            linear_map = self.fused_map([self])
-            assert linear_map is not None  # one module always agrees with itself
-            self._map = linear_map
-        return self._map(x)
+            self._map = self._build([self])
+        return self._map
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel()(x)
 
     @classmethod
     def fused_map(cls, modules: list[Any]) -> LinearMap | None:
         """One kernel for ``modules`` side by side (their outputs concatenated), or None if
-        they differ in mode or group size."""
+        they differ in mode, group size or having a bias. A single module's is its own
+        kernel; a fused group's replaces the members' own, which are dropped (their
+        packed codes would otherwise stay resident beside the group's)."""
+        if len(modules) == 1:
+            return modules[0].kernel()  # type: ignore[no-any-return]
         first = modules[0]
         if any(m.mode != first.mode or m.group_size != first.group_size for m in modules):
             return None
-        biases = [m.bias for m in modules]
-        bias = torch.cat(biases) if all(b is not None for b in biases) else None
-        if bias is None and any(b is not None for b in biases):
+        if len({m.bias is None for m in modules}) != 1:
             return None
+        fused = cls._build(modules)
+        for module in modules:
+            module._map = None
+        return fused
+
+    @staticmethod
+    def _build(modules: list[Any]) -> LinearMap:
+        first = modules[0]
+        bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
         if first.mode == "int8":
             return Int8Map(
                 torch.cat([m.codes for m in modules]), torch.cat([m.scales for m in modules]), bias

@@ -235,15 +235,15 @@ def hold_engine(engine):
         engine.get_result(rid, timeout=60)
 
 
-def fast_path_errors(model, prompts, max_new_tokens: int = 6) -> list[float]:
-    """Run ``prompts`` through an engine whose fast decoder must serve ``model``, and for
-    every step the relative norm of the difference between the fast path's logits and the
-    model's own forward on the same batch and cache."""
+def fast_path_steps(model, prompts, max_new_tokens: int = 6) -> list[tuple]:
+    """Run ``prompts`` through an engine whose fast decoder must serve ``model`` (chunked
+    prefill, decodes and mixed steps); for every step ``(fast logits, the model's own
+    forward's logits on the same batch and cache, whether the step was decode-only)``."""
     import cbgen
     from cbgen.runner import ModelRunner
 
     config = cbgen.EngineConfig(max_batch_tokens=24, block_size=4)
-    errors: list[float] = []
+    steps: list[tuple] = []
     with cbgen.EngineCore(model, config) as engine:
         runner = engine.runner
         fast = runner.fast_forward
@@ -257,7 +257,7 @@ def fast_path_errors(model, prompts, max_new_tokens: int = 6) -> list[float]:
             finally:
                 runner.fast_forward = both
             assert logits.dtype == reference.dtype == torch.float32
-            errors.append(float((logits - reference).norm() / reference.norm()))
+            steps.append((logits.clone(), reference, batch.attention.decode_only))
             return logits
 
         runner.fast_forward = both
@@ -265,4 +265,10 @@ def fast_path_errors(model, prompts, max_new_tokens: int = 6) -> list[float]:
         for prompt in prompts:
             engine.add_request(prompt, params)
         run_until_done(engine)
-    return errors
+    return steps
+
+
+def fast_path_errors(model, prompts, max_new_tokens: int = 6) -> list[float]:
+    """``fast_path_steps``' differences, each as the relative norm ``|fast - ref| / |ref|``."""
+    steps = fast_path_steps(model, prompts, max_new_tokens)
+    return [float((fast - ref).norm() / ref.norm()) for fast, ref, _ in steps]

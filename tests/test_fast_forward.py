@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fast_path_errors, make_tiny_model, random_prompts, run_until_done
+from conftest import (
+    fast_path_errors,
+    fast_path_steps,
+    make_tiny_model,
+    random_prompts,
+    run_until_done,
+)
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.fast_forward import DISABLE_ENV
 from cbgen.kernels import decode_kernel
-from cbgen.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
 
@@ -28,29 +33,10 @@ def test_taken_exactly_for_llama_family_layers(arch):
 def test_step_logits_match_the_model_forward(arch):
     """Every step of a run with chunked prefill, decodes and a mixed batch: the fast
     path's logits against the model's own forward on the same batch."""
-    model = make_tiny_model(arch)
-    config = EngineConfig(max_batch_tokens=24, block_size=4)
-    with EngineCore(model, config) as engine:
-        runner = engine.runner
-        fast = runner.fast_forward
-        assert fast is not None
-        compared = []
-
-        def both(batch):
-            logits = fast(batch)
-            runner.fast_forward = None  # the module path, on the same batch and cache
-            try:
-                reference = ModelRunner.execute(runner, batch)
-            finally:
-                runner.fast_forward = both
-            torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
-            compared.append(batch.attention.decode_only)
-            return logits
-
-        runner.fast_forward = both
-        for prompt in random_prompts(5, 3, 30, seed=1):
-            engine.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
-        run_until_done(engine)
+    steps = fast_path_steps(make_tiny_model(arch), random_prompts(5, 3, 30, seed=1))
+    for logits, reference, _ in steps:
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    compared = [decode_only for _, _, decode_only in steps]
     assert True in compared and False in compared  # decode-only and mixed steps both ran
 
 

@@ -140,6 +140,8 @@ def test_fused_siblings_equal_separate_kernels(mode):
         alone = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
         packed = PackedLinears(block)
         assert packed.fused_groups == 1
+        # The members' own kernels (built by the calls above) give way to the group's.
+        assert all(m._map is None for m in (block.q_proj, block.k_proj, block.v_proj))
         fused = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
         packed.restore()
     for a, b in zip(alone, fused, strict=True):

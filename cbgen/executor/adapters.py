@@ -19,7 +19,7 @@ from torch import nn
 from ..attention import attention_context
 from ..fast_forward import DISABLE_ENV, FastForward, Unsupported, plan_fast_forward
 from .base import LayerOps, LinearBackend, ModelAdapter
-from .linear import OneDnnFp32Linear
+from .linear import OneDnnPackedLinear
 from .metadata import ProbeRecord
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class FastDecoder(ModelAdapter):
             return f"it runs float32 or bfloat16 on CPU and the model is {dtype} on {device.type}"
         if self.layer_ops is None:
             return "it needs the native layer ops (refused: see layer_ops)"
-        if not isinstance(self.linear, OneDnnFp32Linear) or self.linear.packed is None:
+        if not isinstance(self.linear, OneDnnPackedLinear) or self.linear.packed is None:
             return "it needs the oneDNN prepacked linear maps (refused: see linear)"
         try:
             self.fast_forward = plan_fast_forward(

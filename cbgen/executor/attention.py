@@ -138,19 +138,16 @@ class NativeCpuAttention(AttentionBackend):
             block_tables, context_lens = tables.decode_block_tables, tables.decode_context_lens
         else:  # the builder gives every row a table when the step has prefill rows
             block_tables, context_lens = tables.row_block_tables, tables.row_context_lens
-        key_cache = cache.keys[layer]
-        # The kernel reads queries in the cache's dtype (kv_cache_dtype may differ).
-        out = self._kernel(
-            q.transpose(0, 1).to(key_cache.dtype).contiguous(),
-            key_cache,
+        return self._run(
+            q,
+            cache.keys[layer],
             cache.values[layer],
             block_tables,
             context_lens,
             scale,
-            sliding_window or 0,
-            softcap or 0.0,
+            sliding_window,
+            softcap,
         )
-        return out.to(q.dtype)
 
     def decode(
         self,
@@ -162,17 +159,43 @@ class NativeCpuAttention(AttentionBackend):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        out = self._kernel(
-            q.transpose(0, 1).to(key_cache.dtype).contiguous(),
+        out = self._run(
+            q,
             key_cache,
             value_cache,
             tables.decode_block_tables,
             tables.decode_context_lens,
             scale,
+            sliding_window,
+            softcap,
+        )
+        return out.transpose(0, 1)
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor | None,
+        context_lens: torch.Tensor | None,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """The kernel on ``q`` ``[heads, rows, dim]``; returns ``[rows, heads, value_dim]``
+        in ``q``'s dtype. The kernel reads queries in the cache's dtype, which
+        ``kv_cache_dtype`` may have made another than the model's."""
+        out = self._kernel(
+            q.transpose(0, 1).to(key_cache.dtype).contiguous(),
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
             sliding_window or 0,
             softcap or 0.0,
         )
-        return out.transpose(0, 1).to(q.dtype)
+        return out.to(q.dtype)
 
 
 def decode_attention(

@@ -13,18 +13,19 @@ from ..prepack import DISABLE_ENV, PackedLinears, prepack_supported
 from .base import LinearBackend
 
 
-class OneDnnFp32Linear(LinearBackend):
-    """Every float32 CPU ``nn.Linear`` switched to a oneDNN prepacked weight, q/k/v and
-    gate/up fused into one GEMM each (``PackedLinears``), for the executor's lifetime.
-    Quantized modules (``cbgen.quantization``) get their own kernels, fused the same way.
+class OneDnnPackedLinear(LinearBackend):
+    """Every CPU ``nn.Linear`` of the model's dtype switched to a oneDNN prepacked weight,
+    q/k/v and gate/up fused into one GEMM each (``PackedLinears``), for the executor's
+    lifetime. Quantized modules (``cbgen.quantization``) get their own kernels, fused the
+    same way. Subclasses name the dtype they pack.
 
     ``enabled``: ``EngineConfig.prepack_linear``; ``None`` means on unless
     ``CBGEN_NO_PREPACK=1``, ``True`` packs whatever the environment says. Models of
     ``dtype`` on CPU only: a model of another dtype is refused.
     """
 
-    name = "onednn-fp32-prepacked"
-    dtype = torch.float32
+    name = "onednn-prepacked"
+    dtype: torch.dtype
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = enabled
@@ -56,9 +57,16 @@ class OneDnnFp32Linear(LinearBackend):
             self.packed = None
 
 
-class OneDnnBf16Linear(OneDnnFp32Linear):
-    """The same for bfloat16 weights: oneDNN's AVX512_BF16 GEMMs with float32
-    accumulation (on CPUs without it oneDNN still runs them, more slowly)."""
+class OneDnnFp32Linear(OneDnnPackedLinear):
+    """Float32 weights."""
+
+    name = "onednn-fp32-prepacked"
+    dtype = torch.float32
+
+
+class OneDnnBf16Linear(OneDnnPackedLinear):
+    """bfloat16 weights: oneDNN's AVX512_BF16 GEMMs with float32 accumulation (on CPUs
+    without it oneDNN still runs them, more slowly)."""
 
     name = "onednn-bf16-prepacked"
     dtype = torch.bfloat16
