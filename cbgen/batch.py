@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,16 @@ class StepBatch:
 
     input_ids: torch.Tensor  # [1, tokens]
     position_ids: torch.Tensor  # [1, tokens]
-    logits_indices: torch.Tensor  # [samples] rows whose logits are sampled
+    # Rows whose logits the executor returns: the sampled rows (``len(sampled)``), then
+    # the rows that score prompt tokens (``prompt_scores``).
+    logits_indices: torch.Tensor
     attention: AttentionMetadata
-    sampled: list[ScheduledRequest]  # one per logits row, same order (repeated per draft)
+    sampled: list[ScheduledRequest]  # one per sampled row, same order (repeated per draft)
+    # Per sampled row: the position of the token it samples.
+    sample_positions: list[int] = field(default_factory=list)
+    # Per request with prompt logprobs this step: the request, the first prompt
+    # position its rows score and the tokens there (rows in this order after the samples).
+    prompt_scores: list[ScheduledRequest] = field(default_factory=list)
     # Async scheduling: input rows holding a placeholder, and the row of the previous
     # step's samples whose token goes there (filled on the device before the forward).
     carry_rows: torch.Tensor | None = None
@@ -80,6 +87,9 @@ class BatchBuilder:
         positions: list[int] = []
         logits_indices: list[int] = []
         sampled: list[ScheduledRequest] = []
+        sample_positions: list[int] = []
+        prompt_indices: list[int] = []
+        prompt_scores: list[ScheduledRequest] = []
         decode_rows: list[int] = []
         carry: list[tuple[int, int]] = []
         prefill_spans: list[tuple[int, int, int]] = []
@@ -123,6 +133,11 @@ class BatchBuilder:
                 num_rows = chunk.num_sampled  # the last token, and one per draft before it
                 logits_indices.extend(range(row + count - num_rows, row + count))
                 sampled.extend([chunk] * num_rows)
+                sample_positions.extend(range(start + count - num_rows + 1, start + count + 1))
+            if chunk.prompt_targets:
+                first = row + chunk.prompt_start - 1 - start  # the row before the position
+                prompt_indices.extend(range(first, first + len(chunk.prompt_targets)))
+                prompt_scores.append(chunk)
 
         device = self.device
         row_tables = row_tables and bool(prefill_spans)
@@ -142,9 +157,13 @@ class BatchBuilder:
         batch = StepBatch(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            logits_indices=torch.tensor(
+                logits_indices + prompt_indices, dtype=torch.long, device=device
+            ),
             attention=metadata,
             sampled=sampled,
+            sample_positions=sample_positions,
+            prompt_scores=prompt_scores,
         )
         if carry:
             rows, sources = zip(*carry, strict=True)

@@ -19,12 +19,15 @@ from .cache.swap import SwapSpace
 from .config import EngineConfig, resolve_kv_cache_dtype
 from .executor.runner import Executor
 from .input_processor import InputProcessor
+from .logits import LogitsRows, default_processors
+from .logprobs import TokenLogprobs, target_logprobs
 from .openmp import release_thread_team
 from .output import OutputProcessor, PendingSamples
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
+from .scheduler_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +108,9 @@ class EngineCore:
             self.runner.attention,
             self.cache_groups,
         )
-        self.sampler = Sampler(argmax=self.runner.greedy.argmax)
+        self.sampler = Sampler(
+            argmax=self.runner.greedy.argmax, processors=default_processors(_model_eos_ids(model))
+        )
         # The longest request that fits alone (None: windowed layers only, any length fits).
         cache_limit = max_request_tokens(
             self.cache_groups, num_blocks, config.block_size, config.max_batch_tokens
@@ -119,7 +124,7 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
         self._requests: dict[str, Request] = {}
-        self._num_with_processors = 0  # unfinished requests with per-request processors
+        self._num_with_history = 0  # unfinished requests whose sampling reads their tokens
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step
         self._executor: futures.ThreadPoolExecutor | None = None
         self._ids = itertools.count()
@@ -159,8 +164,8 @@ class EngineCore:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self._requests[request_id] = request
-        if params.logits_processors:
-            self._num_with_processors += 1
+        if params.needs_history:
+            self._num_with_history += 1
         self.scheduler.add(request)
         return request_id
 
@@ -177,8 +182,8 @@ class EngineCore:
         """Finish ``request`` in the scheduler (its blocks come back) and forget it."""
         self.scheduler.finish(request, reason)
         self._requests.pop(request.request_id, None)
-        if request.params.logits_processors:
-            self._num_with_processors -= 1
+        if request.params.needs_history:
+            self._num_with_history -= 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block, so later requests compute their prompts afresh
@@ -205,8 +210,8 @@ class EngineCore:
         """
         outputs: list[RequestOutput] = []
         in_flight = self._in_flight
-        if in_flight is not None and self._num_with_processors:
-            # Logits processors read every token so far: settle before planning.
+        if in_flight is not None and self._num_with_history:
+            # Processors and penalties read every token so far: settle before planning.
             outputs = self._settle_in_flight()
             in_flight = None
         scheduled = self.scheduler.schedule()
@@ -217,21 +222,12 @@ class EngineCore:
         if scheduled.is_empty:
             return self._settle_in_flight() if in_flight is not None else outputs
         batch = self.batch_builder.build(scheduled)
-        sampled = batch.sampled
-        params = [s.params for s in sampled]
-        generators = [s.generator for s in sampled]
-        histories = None
-        if any(p.logits_processors for p in params):
-            histories = [s.history or [] for s in sampled]
         pending = self.output_processor.advance(scheduled, self._requests)
         if not self.config.async_scheduling:
-            samples = self._forward(batch, params, generators, histories, None)
-            return self._settle(pending, samples)
+            return self._settle(pending, self._forward(batch, None))
         previous = in_flight.future if in_flight is not None else None
         release_thread_team()  # the worker's OpenMP team must be the only one (cbgen.openmp)
-        future = self._worker().submit(
-            self._forward, batch, params, generators, histories, previous
-        )
+        future = self._worker().submit(self._forward, batch, previous)
         self._in_flight = _InFlight(pending, future)
         if in_flight is not None:
             outputs = self._settle(in_flight.pending, self._result(in_flight, self._in_flight))
@@ -265,14 +261,10 @@ class EngineCore:
             raise exc
 
     def _forward(
-        self,
-        batch: StepBatch,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        histories: list[list[int]] | None,
-        previous: futures.Future[SamplerOutput] | None,
+        self, batch: StepBatch, previous: futures.Future[SamplerOutput] | None
     ) -> SamplerOutput:
-        """The device half of a step: carried tokens in, forward pass, sampling."""
+        """The device half of a step: carried tokens in, forward pass, sampling, and the
+        logprobs of the prompt tokens the step scores."""
         if batch.carry_rows is not None:
             assert previous is not None and batch.carry_sources is not None
             tokens = previous.result().token_tensor
@@ -281,10 +273,25 @@ class EngineCore:
                 0, batch.carry_rows, tokens.index_select(0, batch.carry_sources)
             )
         logits = self.runner.execute(batch)
-        return self.sampler(logits, params, generators, histories)
+        sampled = batch.sampled
+        params = [s.params for s in sampled]
+        rows = LogitsRows(
+            params,
+            [s.num_prompt_tokens for s in sampled],
+            [p - s.num_prompt_tokens for p, s in zip(batch.sample_positions, sampled, strict=True)],
+            [s.history for s in sampled],
+        )
+        out = self.sampler(
+            logits[: len(sampled)], params, [s.generator for s in sampled], rows.histories, rows
+        )
+        if batch.prompt_scores:
+            out.prompt_logprobs = _score_prompts(batch.prompt_scores, logits[len(sampled) :])
+        return out
 
     def _settle(self, pending: PendingSamples, sampled: SamplerOutput) -> list[RequestOutput]:
-        outputs, finished = self.output_processor.resolve(pending, sampled.tokens, sampled.errors)
+        outputs, finished = self.output_processor.resolve(
+            pending, sampled.tokens, sampled.errors, sampled.logprobs, sampled.prompt_logprobs
+        )
         for request, reason in finished:
             self._retire(request, reason)
         return outputs
@@ -343,6 +350,22 @@ class _InFlight:
 
     pending: PendingSamples
     future: futures.Future[SamplerOutput]
+
+
+def _score_prompts(
+    chunks: list[ScheduledRequest], logits: torch.Tensor
+) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """The logprobs of the prompt tokens each chunk scores, from their rows' logits."""
+    targets = [token for chunk in chunks for token in chunk.prompt_targets]
+    counts = [chunk.params.prompt_logprobs or 0 for chunk in chunks for _ in chunk.prompt_targets]
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    entries = target_logprobs(logits, index, counts)
+    scored, start = {}, 0
+    for chunk in chunks:
+        end = start + len(chunk.prompt_targets)
+        scored[chunk.request_id] = (chunk.prompt_start, entries[start:end])
+        start = end
+    return scored
 
 
 def _model_context_limit(model: torch.nn.Module) -> int | None:

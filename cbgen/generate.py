@@ -77,7 +77,7 @@ def generate_batch(
         first = sample_outputs[0]
         assert first is not None and all(o is not None for o in sample_outputs)
         completions = [
-            Completion(o.token_ids, o.finish_reason, o.num_cached_tokens)
+            Completion(o.token_ids, o.finish_reason, o.num_cached_tokens, o.logprobs)
             for o in sample_outputs
             if o is not None
         ]

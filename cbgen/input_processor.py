@@ -53,6 +53,24 @@ class InputProcessor:
             raise fail(
                 f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}"
             )
+        for name, ids in (
+            ("eos_token_ids", params.eos_token_ids),
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+            ("bad_words", [t for words in params.bad_words for t in words]),
+        ):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise fail(
+                    f"{name} holds token id {outside[0]}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > self.vocab_size:
+                raise fail(
+                    f"{name} must be at most the vocabulary size {self.vocab_size}, got {count}"
+                )
         if isinstance(prompt_token_ids, torch.Tensor):
             prompt_token_ids = prompt_token_ids.flatten().tolist()
         prompt = list(prompt_token_ids)

@@ -4,8 +4,9 @@ tokens are known, and decide which requests are done."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .logprobs import TokenLogprobs
 from .request import FinishReason, Request, RequestOutput
 from .scheduler_output import SchedulerOutput
 
@@ -23,6 +24,7 @@ class PendingSamples:
     requests: list[Request]
     positions: list[int]
     drafts: list[list[int]] | None = None  # None: no request verifies proposals
+    prompt_scored: dict[str, Request] = field(default_factory=dict)  # scoring prompt tokens
 
     def rows(self) -> list[tuple[int, list[int]]]:
         """Per request: its first logits row and its drafts."""
@@ -46,7 +48,7 @@ class OutputProcessor:
     synchronous loop calls the two back to back.
 
     ``model_eos_ids`` are the model's own end-of-sequence ids (finish reason
-    ``eos``); a request's ``eos_token_ids`` add stop ids (``stop``).
+    ``eos``); a request's ``eos_token_ids`` and ``stop_token_ids`` add stop ids (``stop``).
     ``max_model_len`` is the context limit, model's or cache's, whichever is
     smaller.
     """
@@ -72,24 +74,33 @@ class OutputProcessor:
             request.pending_index = positions[-1]
             request.pending_row = row
             row += chunk.num_sampled
-        return PendingSamples(sampled, positions, drafts)
+        scored = {
+            s.request_id: requests[s.request_id] for s in scheduled.scheduled if s.prompt_targets
+        }
+        return PendingSamples(sampled, positions, drafts, scored)
 
     def resolve(
         self,
         pending: PendingSamples,
         sampled_tokens: list[int],
         errors: dict[int, str] | None = None,
+        logprobs: list[TokenLogprobs | None] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
     ) -> tuple[list[RequestOutput], list[tuple[Request, FinishReason]]]:
         """Returns the per-request outputs of the step and the requests to retire.
 
         ``errors`` maps a sampled row to why it has no token (a failed logits
         processor): that request finishes with ``"error"`` and no new token.
+        ``logprobs`` holds each sampled row's logprobs, ``prompt_logprobs`` the prompt
+        positions a request's chunk scored (first position, entries).
         Requests that finished (or were aborted) after the step was launched are
         skipped: with async scheduling a request can be in the next step already
         when this one tells it to stop, and that extra token is dropped.
         """
         outputs: list[RequestOutput] = []
         finished: list[tuple[Request, FinishReason]] = []
+        if prompt_logprobs:
+            _record_prompt_logprobs(pending.prompt_scored, prompt_logprobs)
         rows = zip(pending.requests, pending.positions, pending.rows(), strict=True)
         for request, position, (row, drafts) in rows:
             if request.pending_index == position:
@@ -118,6 +129,9 @@ class OutputProcessor:
                 end = position + len(new)
                 if reason is not None:
                     del request.token_ids[end:]  # tokens planned past the end
+                if request.logprobs is not None and logprobs is not None:
+                    new_logprobs = logprobs[row : row + len(new)]
+                    request.logprobs.extend(entry or {} for entry in new_logprobs)
             if reason is not None:
                 request.pending_index = None
                 finished.append((request, reason))
@@ -131,6 +145,13 @@ class OutputProcessor:
                     new_token_ids=new,
                     error=error,
                     num_cached_tokens=request.num_cached_tokens,
+                    logprobs=request.logprobs,
+                    new_logprobs=(
+                        None
+                        if request.logprobs is None
+                        else request.logprobs[len(request.logprobs) - len(new) :]
+                    ),
+                    prompt_logprobs=request.prompt_logprobs,
                 )
             )
         return outputs, finished
@@ -140,13 +161,31 @@ class OutputProcessor:
         if not params.ignore_eos:
             if token in self.model_eos_ids:
                 return FinishReason.EOS
-            if token in params.eos_token_ids:
+            if token in params.stop_ids:
                 return FinishReason.STOP
         if position + 1 - request.num_prompt_tokens >= params.max_new_tokens:
             return FinishReason.LENGTH
         if position + 1 >= self.max_model_len:
             return FinishReason.CONTEXT_LIMIT
         return None
+
+
+def _copy(entries: list | None) -> list | None:
+    return None if entries is None else list(entries)
+
+
+def _record_prompt_logprobs(
+    requests: dict[str, Request], scored: dict[str, tuple[int, list[TokenLogprobs]]]
+) -> None:
+    """Append the scored prompt positions to their requests' ``prompt_logprobs``; chunks
+    score positions in order, and a position already recorded is never appended again."""
+    for request_id, (first, entries) in scored.items():
+        request = requests.get(request_id)
+        if request is None or request.prompt_logprobs is None:
+            continue
+        have = len(request.prompt_logprobs)
+        if first <= have:
+            request.prompt_logprobs.extend(entries[have - first :])
 
 
 def _accepted(tokens: list[int], drafts: list[int]) -> list[int]:

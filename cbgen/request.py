@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logprobs import TokenLogprobs
 from .sampling import SamplingParams
 
 
@@ -66,10 +67,17 @@ class Request:
     # Proposed continuation (speculative decoding): written by a proposer before each
     # step, verified in the request's next step (``cbgen.scheduler``), never trusted.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Per generated token / prompt position, when the params ask (``cbgen.logprobs``).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,6 +116,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -118,6 +127,11 @@ class RequestOutput:
     cache rather than computed. ``completions`` is filled by ``generate_batch``:
     one ``Completion`` per sample (``SamplingParams.n`` of them, the first being
     the same as ``token_ids`` / ``finish_reason``); ``EngineCore.step`` leaves it empty.
+
+    With ``SamplingParams(logprobs=N)``, ``logprobs`` has one ``dict[token_id, logprob]``
+    per entry of ``token_ids`` (and ``new_logprobs`` per entry of ``new_token_ids``);
+    with ``prompt_logprobs=N``, ``prompt_logprobs`` has one per prompt token, ``None``
+    for the first (see ``cbgen.logprobs``).
     """
 
     request_id: str
@@ -129,3 +143,6 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     completions: list[Completion] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

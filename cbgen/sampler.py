@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .executor.greedy import torch_argmax
+from .logits import BatchLogitsProcessor, LogitsRows, apply_processors
+from .logprobs import TokenLogprobs, token_logprobs
 from .sampling import SamplingParams
 
 
 @dataclass
 class SamplerOutput:
     """One token per row; ``errors`` maps a row whose logits processor failed to why
-    (its token is meaningless)."""
+    (its token is meaningless). ``logprobs``: per row, the sampled token's logprob and
+    the top ones its request asked for (``None`` for a row that asked for none, and
+    the whole list ``None`` when no row did)."""
 
     tokens: list[int]
     errors: dict[int, str] = field(default_factory=dict)
     token_tensor: torch.Tensor | None = None  # the same ids, on the device
+    logprobs: list[TokenLogprobs | None] | None = None
+    # Filled by the engine: per request id, the first prompt position scored and the
+    # logprobs there (``SamplingParams.prompt_logprobs``).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class Sampler:
     """Greedy rows take an argmax; the other rows go through one fused pass.
 
-    The fused pass scales by temperature, sorts once (only when a row has top-k or
-    top-p), masks top-k and top-p in the sorted order, and draws by inverse CDF: one
+    First the batch logits processors (``cbgen.logits``: penalties, biases, bans) and
+    the per-request processors change the rows that ask for them; logprobs are taken
+    before that, from the raw logits. The fused pass scales by temperature, sorts once
+    (only when a row has top-k or top-p), masks top-k, top-p and min-p in the sorted
+    order, and draws by inverse CDF: one
     uniform per row against the row's cumulative probabilities. One number per row
     lets each seeded request use its own generator cheaply; the exponential race used
     before (``argmax(p / E)``, a noise vector per row) cost 73 ms a step at 64 rows of
@@ -36,12 +47,15 @@ class Sampler:
         self,
         generator: torch.Generator | None = None,
         argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        processors: Sequence[BatchLogitsProcessor] = (),
     ) -> None:
         """``argmax``: ``torch.argmax(logits, dim=-1)`` as the engine's greedy backend
         computes it (``cbgen.executor.greedy``: the native ``argmax_rows`` for the float32
-        CPU logits of a CPU engine); default ``torch.argmax``."""
+        CPU logits of a CPU engine); default ``torch.argmax``. ``processors``: the batch
+        logits processors, in order (``cbgen.logits.default_processors``)."""
         self.generator = generator
         self._argmax = argmax or torch_argmax
+        self.processors = list(processors)
 
     @torch.inference_mode()
     def __call__(
@@ -49,12 +63,21 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        histories: list[list[int]] | None = None,
+        histories: Sequence[list[int] | None] | None = None,
+        state: LogitsRows | None = None,
     ) -> SamplerOutput:
-        """``histories`` (each row's token ids so far) feed the rows' logits processors."""
+        """``histories`` (each row's token ids so far) feed the rows' per-request logits
+        processors; ``state`` is what the batch processors read (needed when a row uses one)."""
         if logits.shape[0] == 0:
             return SamplerOutput([])
         errors: dict[int, str] = {}
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if logprob_rows:
+            index = torch.tensor(logprob_rows, device=logits.device)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
+        if state is not None and self.processors:
+            apply_processors(self.processors, logits, state)
         if any(p.logits_processors for p in params):
             errors = _apply_processors(logits, params, histories)
         tokens = self._argmax(logits)
@@ -72,7 +95,15 @@ class Sampler:
             )
             tokens.index_copy_(0, rows, drawn)
         _check_finite(logits, tokens, rows, selected, errors)
-        return SamplerOutput(tokens.tolist(), errors, tokens)
+        out = SamplerOutput(tokens.tolist(), errors, tokens)
+        if raw_logprobs is not None:
+            out.logprobs = [None] * len(params)
+            counts = [params[i].logprobs or 0 for i in logprob_rows]
+            chosen = tokens.index_select(0, index)
+            entries = token_logprobs(raw_logprobs, chosen, counts)
+            for i, entry in zip(logprob_rows, entries, strict=True):
+                out.logprobs[i] = entry
+        return out
 
     def _uniforms(
         self, generators: list[torch.Generator | None], device: torch.device
@@ -121,7 +152,7 @@ class Sampler:
         vocab = logits.shape[-1]
         temperature = torch.tensor([p.temperature for p in params], device=device)
         scaled = logits.float() / temperature.unsqueeze(1)
-        needs_filter = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
         if needs_filter:
             scaled, order = torch.sort(scaled, dim=-1, descending=True)
             ranks = torch.arange(vocab, device=device).unsqueeze(0)
@@ -132,6 +163,10 @@ class Sampler:
             mass_before = torch.cumsum(probs, dim=-1) - probs
             # The most likely token always survives, whatever top_p says.
             scaled = scaled.masked_fill(mass_before > top_p.unsqueeze(1), float("-inf"))
+            # min_p: less likely than min_p times the top token (column 0 once sorted);
+            # a ratio of probabilities, so the same before or after top-k / top-p.
+            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            scaled = scaled.masked_fill(scaled < scaled[:, :1] + torch.log(min_p), float("-inf"))
         cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)
         target = self._uniforms(generators, device) * cdf[:, -1]
         # The first token whose cumulative mass passes the target: token i is drawn with
@@ -144,7 +179,9 @@ class Sampler:
 
 
 def _apply_processors(
-    logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]] | None
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: Sequence[list[int] | None] | None,
 ) -> dict[int, str]:
     """Run each row's logits processors in place; a failing row is reported, not raised.
 
@@ -160,7 +197,7 @@ def _apply_processors(
         values = logits[row]
         try:
             for processor in p.logits_processors:
-                values = processor(histories[row], values)
+                values = processor(histories[row] or [], values)
                 if not isinstance(values, torch.Tensor) or values.shape != logits[row].shape:
                     raise ValueError(
                         f"returned {type(values).__name__} "

@@ -26,7 +26,10 @@ class ScheduledRequest:
     1 + k when k proposed tokens are verified (the last ``num_drafts`` of
     ``token_ids``); nothing above the attention backend tells these apart.
     ``sample``: the chunk reaches the request's last known token, so the logits of its
-    last ``1 + num_drafts`` tokens are sampled. ``carry``: with async scheduling
+    last ``1 + num_drafts`` tokens are sampled. ``prompt_targets``: the prompt tokens at
+    positions ``prompt_start ..`` whose logprobs this chunk's logits give (a request
+    with ``prompt_logprobs``; the row of position ``p - 1`` scores the token at ``p``).
+    ``carry``: with async scheduling
     the token at ``token_ids[offset]`` is a placeholder for row ``row`` of the
     previous step's samples, filled on the device before the forward pass.
     """
@@ -38,7 +41,10 @@ class ScheduledRequest:
     sample: bool
     params: SamplingParams
     generator: torch.Generator | None = None
-    history: list[int] | None = None  # every token so far, for per-request processors
+    history: list[int] | None = None  # every token so far, when sampling reads it
+    num_prompt_tokens: int = 0
+    prompt_start: int = 0
+    prompt_targets: list[int] = field(default_factory=list)
     carry: tuple[int, int] | None = None  # (offset in token_ids, row of previous samples)
     num_drafts: int = 0
 
@@ -67,6 +73,12 @@ class ScheduledRequest:
             carry = (pending - start, request.pending_row)
         num_blocks = -(-end // block_size)
         params = request.params
+        prompt_start, prompt_targets = 0, []
+        scored = request.prompt_logprobs
+        if scored is not None and len(scored) < request.num_prompt_tokens:
+            # Positions not scored yet (a recomputed prompt is not scored twice).
+            prompt_start = max(start + 1, len(scored))
+            prompt_targets = request.prompt_token_ids[prompt_start : end + 1]
         return cls(
             request.request_id,
             request.token_ids[start:known] + drafts,
@@ -75,7 +87,10 @@ class ScheduledRequest:
             sample=known == request.num_tokens,
             params=params,
             generator=request.generator,
-            history=list(request.token_ids) if params.logits_processors else None,
+            history=list(request.token_ids) if params.needs_history else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            prompt_start=prompt_start,
+            prompt_targets=prompt_targets,
             carry=carry,
             num_drafts=len(drafts),
         )

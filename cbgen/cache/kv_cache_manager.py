@@ -211,13 +211,17 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks of the request's prefix, at most ``num_tokens - 1`` tokens' worth:
         the last token is always computed (its logits are sampled) in a block of its own,
-        so a shared block is never written."""
+        so a shared block is never written. A request whose prompt tokens are still to be
+        scored (``prompt_logprobs``) computes its whole prompt."""
         if not self.enable_prefix_caching:
             return []
         limit = (request.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(
             request.block_hashes, request.token_ids, self.block_size, limit
         )
+        scored = request.prompt_logprobs
+        if scored is not None and len(scored) < request.num_prompt_tokens:
+            return []
         return self.allocator.lookup(hashes[:limit])
 
     def register_computed(self, request: Request) -> None:

@@ -277,7 +277,7 @@ class Scheduler:
     def _num_drafts(self, request: Request, room: int) -> int:
         """How many of ``request``'s proposed tokens to verify this step: none with a token
         still being sampled, and never past ``max_new_tokens`` or the context limit."""
-        if request.pending_index is not None or request.params.logits_processors:
+        if request.pending_index is not None or request.params.needs_history:
             return 0
         left = request.params.max_new_tokens - request.num_output_tokens - 1
         if self.max_model_len is not None:
