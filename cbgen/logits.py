@@ -61,7 +61,9 @@ class LogitBias(BatchLogitsProcessor):
         return bool(params.logit_bias)
 
     def apply(self, logits: torch.Tensor, rows: list[int], state: LogitsRows) -> None:
-        index_rows, tokens, values = [], [], []
+        index_rows: list[int] = []
+        tokens: list[int] = []
+        values: list[float] = []
         for row in rows:
             bias = state.params[row].logit_bias or {}
             index_rows += [row] * len(bias)
