@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budg
 from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .cache.swap import SwapSpace
 from .config import EngineConfig, resolve_kv_cache_dtype
+from .detokenizer import make_decoder
 from .executor.runner import Executor
 from .input_processor import InputProcessor
 from .logits import LogitsRows, default_processors
@@ -28,6 +30,7 @@ from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
 from .scheduler_output import ScheduledRequest
+from .text import RequestText
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,20 @@ class EngineCore:
     manager (or call ``close()``) to switch it back.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig | None = None,
+        tokenizer: Any = None,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        """``tokenizer`` (optional) gives outputs their text and requests their stop
+        strings (``SamplingParams.stop``)."""
         self.config = config or EngineConfig()
+        self._decode = (
+            make_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        )
         model.eval()
         self.model = model
         # The backends of every role are chosen here, once (``runner.describe()``).
@@ -160,7 +175,16 @@ class EngineCore:
             one_sample="need cbgen.generate_batch; EngineCore.add_request runs one sample "
             "(add one request per sample)",
         )
+        if params.stop and self._decode is None:
+            raise ValueError(
+                f"request {request_id!r}: stop strings need a tokenizer "
+                "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
+            )
         request = Request(request_id, prompt, params, next(self._arrivals))
+        if self._decode is not None:
+            request.text = RequestText(
+                prompt, self._decode, params.stop_strings, params.include_stop_str_in_output
+            )
         if params.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self._requests[request_id] = request

@@ -23,6 +23,7 @@ def generate_batch(
     params: SamplingParams | Sequence[SamplingParams] | Any | None = None,
     config: EngineConfig | None = None,
     *,
+    tokenizer: Any = None,
     progress: bool = False,
     raise_on_invalid: bool = True,
 ) -> list[RequestOutput]:
@@ -38,12 +39,15 @@ def generate_batch(
     as ``n`` requests sharing its cached prefix blocks (sample ``i`` seeded with
     ``seed + i`` when a seed is given); its output's ``completions`` lists all
     ``n`` samples and its ``token_ids`` / ``finish_reason`` are the first one's.
+
+    With a ``tokenizer`` every output has its ``text``, and requests may list stop
+    strings (``SamplingParams.stop``).
     """
     per_prompt = _per_prompt_params(params, len(prompts_token_ids))
     outputs: list[RequestOutput | None] = [None] * len(prompts_token_ids)
     samples: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, sample index)
     results: dict[int, list[RequestOutput | None]] = {}
-    with EngineCore(model, config) as engine:
+    with EngineCore(model, config, tokenizer) as engine:
         errors: list[str] = []
         for index, (prompt, request_params) in enumerate(
             zip(prompts_token_ids, per_prompt, strict=True)
@@ -77,7 +81,7 @@ def generate_batch(
         first = sample_outputs[0]
         assert first is not None and all(o is not None for o in sample_outputs)
         completions = [
-            Completion(o.token_ids, o.finish_reason, o.num_cached_tokens, o.logprobs)
+            Completion(o.token_ids, o.finish_reason, o.num_cached_tokens, o.logprobs, o.text)
             for o in sample_outputs
             if o is not None
         ]

@@ -123,6 +123,8 @@ class OutputProcessor:
                 request.token_ids[position : position + 1] = new
                 for index, token in enumerate(new):
                     reason = self._finish_reason(request, token, position + index)
+                    if request.text is not None and request.text.push(token):
+                        reason = FinishReason.STOP  # a stop string ends here
                     if reason is not None:
                         del new[index + 1 :]
                         break
@@ -135,6 +137,12 @@ class OutputProcessor:
             if reason is not None:
                 request.pending_index = None
                 finished.append((request, reason))
+            text = new_text = None
+            if request.text is not None:
+                if reason is not None:
+                    request.text.finish()
+                    text = request.text.text
+                new_text = request.text.take_new()
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
@@ -145,13 +153,15 @@ class OutputProcessor:
                     new_token_ids=new,
                     error=error,
                     num_cached_tokens=request.num_cached_tokens,
-                    logprobs=request.logprobs,
+                    logprobs=_copy(request.logprobs),
                     new_logprobs=(
                         None
                         if request.logprobs is None
                         else request.logprobs[len(request.logprobs) - len(new) :]
                     ),
-                    prompt_logprobs=request.prompt_logprobs,
+                    prompt_logprobs=_copy(request.prompt_logprobs),
+                    text=text,
+                    new_text=new_text,
                 )
             )
         return outputs, finished

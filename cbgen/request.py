@@ -9,6 +9,7 @@ import torch
 
 from .logprobs import TokenLogprobs
 from .sampling import SamplingParams
+from .text import RequestText
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +71,7 @@ class Request:
     # Per generated token / prompt position, when the params ask (``cbgen.logprobs``).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    text: RequestText | None = None  # with a tokenizer: the text and stop strings
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -117,6 +119,7 @@ class Completion:
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    text: str | None = None
 
 
 @dataclass
@@ -131,7 +134,10 @@ class RequestOutput:
     With ``SamplingParams(logprobs=N)``, ``logprobs`` has one ``dict[token_id, logprob]``
     per entry of ``token_ids`` (and ``new_logprobs`` per entry of ``new_token_ids``);
     with ``prompt_logprobs=N``, ``prompt_logprobs`` has one per prompt token, ``None``
-    for the first (see ``cbgen.logprobs``).
+    for the first (see ``cbgen.logprobs``). With a tokenizer (``EngineCore(tokenizer=)``,
+    ``generate_batch(tokenizer=)``), ``new_text`` is the text this output adds and
+    ``text`` the whole text once the request finished, cut at a stop string
+    (``SamplingParams.stop``; ``token_ids`` then end with the token that completed it).
     """
 
     request_id: str
@@ -146,3 +152,5 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    text: str | None = None
+    new_text: str | None = None

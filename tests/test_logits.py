@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, make_tiny_model, random_prompts, reference_greedy
+from conftest import ARCHITECTURES, chat_prompts, make_tiny_model, random_prompts, reference_greedy
 from transformers import GenerationConfig
 from transformers.generation.logits_process import MinPLogitsWarper
 
@@ -215,3 +215,35 @@ def test_generation_config_refuses_what_cbgen_cannot_do():
 def test_invalid_processor_settings_are_refused(llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
         cbgen.generate_batch(llama, [[1, 2, 3]], SamplingParams(**kwargs))
+
+
+def test_stop_strings_in_generate_batch(smollm2):
+    model, tokenizer = smollm2
+    (prompt,) = chat_prompts(tokenizer, ["Count from 1 to 20, separated by commas."])
+    (full,) = cbgen.generate_batch(
+        model, [prompt], SamplingParams(max_new_tokens=40), tokenizer=tokenizer
+    )
+    assert full.text == tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    stop = "5"
+    assert stop in full.text
+    outputs = cbgen.generate_batch(
+        model,
+        [prompt, prompt],
+        [
+            SamplingParams(max_new_tokens=40, stop=[stop]),
+            SamplingParams(max_new_tokens=40, stop=stop, include_stop_str_in_output=True),
+        ],
+        tokenizer=tokenizer,
+    )
+    cut = full.text.index(stop)
+    for out, text in zip(outputs, (full.text[:cut], full.text[: cut + 1]), strict=True):
+        assert out.finish_reason == "stop" and out.text == text
+        # The ids end with the token that completed the stop string.
+        ids = out.token_ids
+        assert ids == full.token_ids[: len(ids)]
+        assert stop in tokenizer.decode(ids) and stop not in tokenizer.decode(ids[:-1])
+
+
+def test_stop_strings_need_a_tokenizer(llama):
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        cbgen.generate_batch(llama, [[1, 2, 3]], SamplingParams(stop=["x"]))
