@@ -10,7 +10,14 @@ walks that pick uniformly among the allowed tokens); accepting a token; and
 applying a bitmask to [64, 49152] float32 logits (xgrammar's CPU kernel, and the
 vectorized torch unpack that llguidance would need since its own helper is a
 ``torch.compile`` kernel). Times are medians; the machine's load shows in them,
-so compare the two columns of one run, not runs on different days.
+so compare the two columns of one run, not runs on different days. The last
+block times cbgen.structured itself (template matchers, checked accepts, its
+``apply_bitmask``).
+
+xgrammar is not a cbgen dependency; to compare, install it without its
+declared ``triton`` dependency: ``pip install --no-deps xgrammar==0.2.9
+apache-tvm-ffi==0.1.15.post2`` (it also needs pydantic, numpy and
+typing-extensions, which the venv has).
 
 llguidance compiles lazily (the lexer is built while the first masks are
 computed), so its "compile" is construction plus the first mask, and xgrammar's
@@ -81,6 +88,7 @@ def torch_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 class XGrammar:
     name = "xgrammar"
+    install = "xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2"
 
     def __init__(self, tok, vocab_size: int) -> None:
         import xgrammar as xgr
@@ -121,6 +129,7 @@ class XGrammar:
 
 class LLGuidance:
     name = "llguidance"
+    install = "llguidance==1.9.1"
 
     def __init__(self, tok, vocab_size: int) -> None:
         import llguidance
@@ -139,7 +148,9 @@ class LLGuidance:
         elif kind == "regex":
             grammar = M.grammar_from_regex(text)
         else:
-            grammar = M.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
+            grammar = M.grammar_from_json_schema(
+                {"type": "object"}, defaults={"whitespace_flexible": False}
+            )
         return grammar
 
     def matcher(self, compiled):
@@ -151,7 +162,9 @@ class LLGuidance:
         self.llt.fill_next_token_bitmask(m, bitmask, row)
 
     def fill_batch(self, ms, bitmask: torch.Tensor) -> None:
-        self.llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms)], bitmask)
+        self.llt.fill_next_token_bitmask_par(
+            self.executor, [(m, i) for i, m in enumerate(ms)], bitmask
+        )
 
     def accept(self, m, token: int) -> bool:
         return m.consume_token(token)
@@ -182,7 +195,9 @@ def bench(backend, vocab_size: int, steps: int, rows: int, repeat: int) -> dict[
 
     for kind, text in specs.items():
         first_mask(kind, text)  # warm-up: imports, thread pools
-        out[f"compile {kind} (ms)"] = 1e3 * median_time(lambda k=kind, t=text: first_mask(k, t), repeat)
+        out[f"compile {kind} (ms)"] = 1e3 * median_time(
+            lambda k=kind, t=text: first_mask(k, t), repeat
+        )
 
     compiled = backend.compile("json_schema", specs["json_schema"])
     gen = torch.Generator().manual_seed(0)
@@ -206,14 +221,17 @@ def bench(backend, vocab_size: int, steps: int, rows: int, repeat: int) -> dict[
     # 64 rows in lockstep, each on its own walk: the library's batched fill, and a Python loop.
     ms = [backend.matcher(compiled) for _ in range(rows)]
     batched, looped = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        backend.fill_batch(ms, bitmask)
-        batched.append(time.perf_counter() - start)
-        start = time.perf_counter()
+
+    def loop() -> None:
         for i, m in enumerate(ms):
             backend.fill(m, bitmask, i)
-        looped.append(time.perf_counter() - start)
+
+    for step in range(steps):
+        order = [(batched, lambda: backend.fill_batch(ms, bitmask)), (looped, loop)]
+        for times, fill in order if step % 2 else order[::-1]:
+            start = time.perf_counter()
+            fill()
+            times.append(time.perf_counter() - start)
         for i in range(rows):
             assert backend.accept(ms[i], pick(bitmask, i, vocab_size, gen))
             if backend.done(ms[i]):
@@ -244,22 +262,67 @@ def main() -> None:
 
     results: dict[str, dict[str, float]] = {}
     for cls in (XGrammar, LLGuidance):
-        start = time.perf_counter()
-        backend = cls(tok, vocab_size)
-        info = 1e3 * (time.perf_counter() - start)
-        results[cls.name] = {"tokenizer info (ms)": info}
+        try:
+            start = time.perf_counter()
+            backend = cls(tok, vocab_size)
+        except ImportError as exc:
+            print(f"skipping {cls.name}: {exc} (pip install --no-deps {cls.install})")
+            continue
+        results[cls.name] = {"tokenizer info (ms)": 1e3 * (time.perf_counter() - start)}
         results[cls.name].update(bench(backend, vocab_size, args.steps, args.rows, args.repeat))
 
     names = list(results)
-    versions = [f"{n} {metadata.version(n)}" for n in names]
     print(f"SmolLM2 tokenizer, vocab {vocab_size}, torch threads {torch.get_num_threads()}")
-    print(f"{'':38}" + "".join(f"{v:>20}" for v in versions))
-    ref_apply = torch.randn(args.rows, vocab_size)
-    for key in results[names[0]]:
-        print(f"{key:38}" + "".join(f"{results[n][key]:20.1f}" for n in names))
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (args.rows, (vocab_size + 31) // 32), dtype=torch.int32)
-    t = 1e6 * median_time(lambda: torch_apply(ref_apply, bitmask), 20)
-    print(f"{'apply, vectorized torch unpack (us)':38}{t:20.1f}")
+    print(f"{'':40}" + "".join(f"{n + ' ' + metadata.version(n):>20}" for n in names))
+    for key in results[names[0]] if names else ():
+        print(f"{key:40}" + "".join(f"{results[n][key]:20.1f}" for n in names))
+    print()
+    for key, value in module_bench(tok, vocab_size, args.rows, args.repeat).items():
+        print(f"{key:40}{value:20.1f}")
+
+
+def module_bench(tok, vocab_size: int, rows: int, repeat: int) -> dict[str, float]:
+    """What cbgen.structured adds on top of the library: template copies, checked accepts."""
+    from cbgen.structured import GrammarCompiler, StructuredOutput, allocate_bitmask, apply_bitmask
+
+    out: dict[str, float] = {}
+    start = time.perf_counter()
+    compiler = GrammarCompiler(tok, vocab_size, cache_size=1)
+    out["cbgen.structured: GrammarCompiler (ms)"] = 1e3 * (time.perf_counter() - start)
+    spec, other = StructuredOutput(json_schema=SCHEMA), StructuredOutput(regex=REGEX)
+
+    def misses() -> None:  # with cache_size=1, each evicts the other
+        compiler.compile(other)
+        compiler.compile(spec)
+
+    out["  compile regex + json_schema, uncached (ms)"] = 1e3 * median_time(misses, repeat)
+    compiler.compile(spec)
+    out["  matcher() from the cache (us)"] = 1e6 * median_time(lambda: compiler.matcher(spec), 20)
+    bitmask = allocate_bitmask(rows, vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    m, fills, accepts = compiler.matcher(spec), [], []
+    for _ in range(40):
+        start = time.perf_counter()
+        m.fill(bitmask, 0)
+        fills.append(time.perf_counter() - start)
+        token = pick(bitmask, 0, vocab_size, gen)
+        start = time.perf_counter()
+        assert m.accept(token)
+        accepts.append(time.perf_counter() - start)
+        if m.is_terminated:
+            m = compiler.matcher(spec)
+    out["  fill 1 row (us/token)"] = 1e6 * statistics.median(fills)
+    out["  accept, checked (us/token)"] = 1e6 * statistics.median(accepts)
+    logits = torch.randn(rows, vocab_size)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, bitmask.shape, dtype=torch.int32, generator=gen)
+    out[f"  apply_bitmask [{rows},{vocab_size}] (us)"] = 1e6 * median_time(
+        lambda: apply_bitmask(logits, bitmask), 4 * repeat
+    )
+    half = torch.arange(0, rows, 2)
+    out[f"  apply_bitmask, {rows // 2} of {rows} rows (us)"] = 1e6 * median_time(
+        lambda: apply_bitmask(logits, bitmask[: rows // 2], rows=half), 4 * repeat
+    )
+    return out
 
 
 if __name__ == "__main__":

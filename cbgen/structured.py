@@ -45,6 +45,9 @@ How llguidance is used, and why:
   grammar that can still continue, beside the continuations); once the grammar
   cannot extend further, they are the only allowed tokens
   (``is_terminated`` is then true) and accepting one keeps it true.
+* Regexes match the whole output, with ``\\d`` and ``\\w`` meaning ASCII (JSON
+  Schema and JavaScript semantics): the library's default, Rust's Unicode
+  classes, let ``\\d{3}`` produce "３൧9" in random walks.
 * JSON (schemas and ``json_object``) is generated compact, without free
   whitespace: small models otherwise loop on newlines and spaces, and a
   schema's own ``"x-guidance"`` options can still ask for whitespace.
@@ -52,6 +55,7 @@ How llguidance is used, and why:
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -115,12 +119,14 @@ class StructuredOutput:
 
     @property
     def key(self) -> tuple[str, str]:
-        """``(kind, canonical text)``: the same constraint written two ways shares a cache entry."""
+        """``(kind, canonical text)``: a schema as a dict or as JSON text shares a cache entry.
+
+        Keys are not sorted: the grammar emits properties in the schema's order, so
+        two schemas differing only in key order are different constraints.
+        """
         self.validate()
         if self.json_schema is not None:
-            canonical = json.dumps(
-                _schema_dict(self.json_schema), sort_keys=True, separators=(",", ":")
-            )
+            canonical = json.dumps(_schema_dict(self.json_schema), separators=(",", ":"))
             return ("json_schema", canonical)
         if self.regex is not None:
             return ("regex", self.regex)
@@ -149,6 +155,8 @@ class CompiledGrammar:
 
     key: tuple[str, str]
     grammar: str  # llguidance's grammar text (JSON)
+    vocab_size: int  # the model's: the width of its logits and of a bitmask row
+    eos_token_ids: tuple[int, ...]
     template: Any  # llguidance.LLMatcher at its start state, first mask computed; never advanced
 
 
@@ -208,7 +216,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for one request."""
-        return GrammarMatcher(self.compile(spec), self.vocab_size)
+        return GrammarMatcher(self.compile(spec))
 
     def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
         import llguidance
@@ -223,7 +231,10 @@ class GrammarCompiler:
                     {"type": "object"}, defaults=_JSON_OPTIONS
                 )
             elif kind == "regex":
-                grammar = LLMatcher.grammar_from_regex(text)
+                # \d and \w mean ASCII, as in JSON Schema and JavaScript, not any Unicode digit.
+                grammar = LLMatcher.grammar_from_lark(
+                    f"start: /{llguidance.regex_to_lark(text, 'dw')}/"
+                )
             else:  # Lark, or GBNF converted to Lark
                 grammar = llguidance.grammar_from("grammar", text)
         except ValueError as exc:
@@ -235,15 +246,16 @@ class GrammarCompiler:
             template.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
         if template.is_error():
             raise ValueError(f"invalid {kind.replace('_', ' ')}: {template.get_error().strip()}")
-        return CompiledGrammar(key, grammar, template)
+        return CompiledGrammar(key, grammar, self.vocab_size, self.eos_token_ids, template)
 
 
 class GrammarMatcher:
     """One request's position in its grammar: which tokens may come next, and when it is done."""
 
-    def __init__(self, compiled: CompiledGrammar, vocab_size: int) -> None:
+    def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled
-        self.vocab_size = vocab_size
+        self.vocab_size = compiled.vocab_size
+        self.eos_token_ids = compiled.eos_token_ids
         self._matcher = compiled.template.deep_copy()
 
     def accept(self, token_id: int) -> bool:
@@ -295,8 +307,23 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-# _FORBIDDEN[b, j]: bit j of byte b is clear, i.e. that token is not allowed.
-_FORBIDDEN = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 0
+# _KEEP[b, j]: all ones if bit j of byte b is set (token allowed), else zero.
+_KEEP = torch.where((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, -1, 0)
+# Logits are masked as integers of the same width: x & keep | -inf & ~keep.
+_SAME_WIDTH_INT = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float64: torch.int64,
+}
+
+
+@functools.cache
+def _keep_table(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The byte table in ``dtype``'s integer twin, and the bits of -inf in that twin."""
+    int_dtype = _SAME_WIDTH_INT[dtype]
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype).view(int_dtype).item()
+    return _KEEP.to(device=device, dtype=int_dtype), int(neg_inf)
 
 
 def apply_bitmask(
@@ -305,14 +332,17 @@ def apply_bitmask(
     """Set the logits of disallowed tokens to -inf, in place, for the whole batch at once.
 
     ``bitmask[i]`` applies to ``logits[rows[i]]`` (distinct rows; ``rows`` None: to
-    ``logits[i]``), so
-    a batch where only some requests are constrained masks only those rows. The
-    bitmask is unpacked a byte at a time through a 256-entry table: one gather
-    and one masked fill, no Python loop; tokens past the logits' width are ignored.
+    ``logits[i]``), so a batch where only some requests are constrained masks only
+    those rows. The bitmask is unpacked a byte at a time through a 256-entry table
+    into an integer keep-mask, applied with two bitwise ops on the logits' bits:
+    no Python loop, and on one CPU thread ~4 ms for [64, 49152] float32 against
+    ~7 ms for xgrammar's C++ kernel and ~14 ms for ``masked_fill_`` with a bool
+    mask (torch's slow path). Masked logits become exactly -inf, even +inf or NaN
+    ones. Tokens past the logits' width are ignored.
     """
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
         raise ValueError("bitmask must be a 2-D int32 tensor (see allocate_bitmask)")
-    if logits.dim() != 2 or not logits.is_floating_point():
+    if logits.dim() != 2 or logits.dtype not in _SAME_WIDTH_INT:
         raise ValueError("logits must be a 2-D float tensor")
     vocab = logits.shape[1]
     if bitmask.shape[1] * 32 < vocab:
@@ -324,14 +354,17 @@ def apply_bitmask(
         raise ValueError(f"rows has shape {tuple(rows.shape)}, the bitmask has {count} rows")
     if count == 0:
         return
-    assert sys.byteorder == "little"  # token 32 w + j is bit j of word w, byte j // 8
-    table = _FORBIDDEN.to(logits.device)
+    assert sys.byteorder == "little"  # token 32 w + j is bit j of word w, in byte j // 8
+    table, neg_inf = _keep_table(logits.dtype, logits.device)
     packed = bitmask.to(logits.device).contiguous().view(torch.uint8).reshape(-1).long()
-    forbidden = table.index_select(0, packed).view(count, -1)[:, :vocab]
-    if rows is None:
-        logits.masked_fill_(forbidden, float("-inf"))
-    else:
+    keep = table.index_select(0, packed).view(count, -1)[:, :vocab]
+    bits = logits.view(table.dtype)
+    if rows is not None:
         rows = rows.to(device=logits.device, dtype=torch.long)
-        logits.index_copy_(
-            0, rows, logits.index_select(0, rows).masked_fill_(forbidden, float("-inf"))
-        )
+        target = bits.index_select(0, rows)
+    else:
+        target = bits
+    target.bitwise_and_(keep)
+    target.bitwise_or_(keep.bitwise_not_().bitwise_and_(neg_inf))  # keep is scratch
+    if rows is not None:
+        bits.index_copy_(0, rows, target)
