@@ -7,9 +7,9 @@ building the tokenizer info; compiling a JSON schema (nested objects, enums,
 arrays), a regex and the builtin JSON grammar (cold: no cache); filling the
 next-token bitmask for one row and for 64 rows (per decode step, along random
 walks that pick uniformly among the allowed tokens); accepting a token; and
-applying a bitmask to [64, 49152] float32 logits (xgrammar's CPU kernel, and the
-vectorized torch unpack that llguidance would need since its own helper is a
-``torch.compile`` kernel). Times are medians; the machine's load shows in them,
+applying a bitmask to [64, 49152] float32 logits (xgrammar's CPU kernel; for
+llguidance, whose own helper is a ``torch.compile`` kernel, cbgen's
+``apply_bitmask``). Times are medians; the machine's load shows in them,
 so compare the two columns of one run, not runs on different days. The last
 block times cbgen.structured itself (template matchers, checked accepts, its
 ``apply_bitmask``).
@@ -82,7 +82,8 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def torch_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def masked_fill_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The plain vectorized reference: shift-and-mask unpack, then ``masked_fill_``."""
     logits.masked_fill_(~unpack(bitmask, logits.shape[1]), float("-inf"))
 
 
@@ -97,8 +98,9 @@ class XGrammar:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id]
         )
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
-        self.batch = xgr.BatchGrammarMatcher(max_threads=2)
+        threads = torch.get_num_threads()
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     def compile(self, kind: str, text: str):
         c = self.compiler
@@ -139,7 +141,7 @@ class LLGuidance:
         self.llg = llguidance
         self.llt = llguidance.torch
         self.tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size)
-        self.executor = llguidance.LLExecutor(num_threads=2)
+        self.executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
 
     def compile(self, kind: str, text: str):
         M = self.llg.LLMatcher
@@ -173,7 +175,11 @@ class LLGuidance:
         return m.is_stopped()
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        torch_apply(logits, bitmask)
+        # llguidance.torch's own helper is a torch.compile kernel (a C++ toolchain on CPU);
+        # what cbgen would run with it is its own table unpack.
+        from cbgen.structured import apply_bitmask
+
+        apply_bitmask(logits, bitmask)
 
 
 def pick(bitmask: torch.Tensor, row: int, vocab_size: int, gen: torch.Generator) -> int:
@@ -251,8 +257,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per walk")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5, help="repetitions of each compile")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
 
     from cbgen.models import load_model
 
@@ -317,6 +324,9 @@ def module_bench(tok, vocab_size: int, rows: int, repeat: int) -> dict[str, floa
     bitmask = torch.randint(-(2**31), 2**31 - 1, bitmask.shape, dtype=torch.int32, generator=gen)
     out[f"  apply_bitmask [{rows},{vocab_size}] (us)"] = 1e6 * median_time(
         lambda: apply_bitmask(logits, bitmask), 4 * repeat
+    )
+    out[f"  masked_fill_ reference [{rows},{vocab_size}] (us)"] = 1e6 * median_time(
+        lambda: masked_fill_apply(logits, bitmask), 4 * repeat
     )
     half = torch.arange(0, rows, 2)
     out[f"  apply_bitmask, {rows // 2} of {rows} rows (us)"] = 1e6 * median_time(

@@ -76,6 +76,7 @@ __all__ = [
     "StructuredOutput",
     "allocate_bitmask",
     "apply_bitmask",
+    "fill_bitmasks",
 ]
 
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
@@ -269,6 +270,14 @@ class GrammarMatcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (bit ``t % 32`` of word ``t // 32``)."""
+        self._check(bitmask)
+        target = bitmask[row]
+        if not target.is_contiguous():
+            raise ValueError("bitmask rows must be contiguous")
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+
+    def _check(self, bitmask: torch.Tensor) -> None:
+        # The library writes through a raw pointer: a wrong buffer must fail here.
         if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device.type != "cpu":
             raise ValueError("bitmask must be a 2-D int32 CPU tensor (see allocate_bitmask)")
         if bitmask.shape[1] != (self.vocab_size + 31) // 32:
@@ -276,10 +285,6 @@ class GrammarMatcher:
                 f"bitmask has {bitmask.shape[1]} words a row, the vocab of "
                 f"{self.vocab_size} needs {(self.vocab_size + 31) // 32}"
             )
-        target = bitmask[row]
-        if not target.is_contiguous():
-            raise ValueError("bitmask rows must be contiguous")
-        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
     @property
     def is_terminated(self) -> bool:
@@ -300,6 +305,41 @@ class GrammarMatcher:
     def reset(self) -> None:
         """Back to the start (a preempted request that recomputes its tokens)."""
         self._matcher.reset()
+
+
+def fill_bitmasks(
+    matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int] | None = None
+) -> None:
+    """``matchers[i].fill(bitmask, rows[i])`` for all ``i`` (``rows`` None: row ``i``) in one
+    call, which the library spreads over ``torch.get_num_threads()`` threads without the GIL.
+
+    On one thread this was ~1.3x faster than a loop of ``fill`` (64 rows); on two
+    cores busy with other work, slower: thread hand-offs against ~40 us of work a row.
+    """
+    if rows is not None and len(rows) != len(matchers):
+        raise ValueError(f"{len(rows)} rows for {len(matchers)} matchers")
+    if not matchers:
+        return
+    for matcher in matchers:
+        matcher._check(bitmask)
+    if not bitmask.is_contiguous():
+        raise ValueError("bitmask must be contiguous")
+    targets = range(len(matchers)) if rows is None else rows
+    pairs = [(m._matcher, int(row)) for m, row in zip(matchers, targets, strict=True)]
+    if any(not 0 <= row < bitmask.shape[0] for _, row in pairs):
+        raise ValueError(f"a row is outside the bitmask's {bitmask.shape[0]} rows")
+    # llguidance.torch.fill_next_token_bitmask_par does the same, but importing that
+    # module builds a torch.compile kernel (seconds of torch._dynamo import).
+    _executor().unsafe_compute_mask_ptr(
+        pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+    )
+
+
+@functools.cache
+def _executor() -> Any:
+    import llguidance
+
+    return llguidance.LLExecutor(num_threads=torch.get_num_threads())
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

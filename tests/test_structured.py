@@ -15,6 +15,7 @@ from cbgen.structured import (
     StructuredOutput,
     allocate_bitmask,
     apply_bitmask,
+    fill_bitmasks,
 )
 
 SCHEMA = {
@@ -360,3 +361,22 @@ def test_regex_classes_are_ascii_and_slashes_work(compiler, tok):
     for token in tok.encode("1/a", add_special_tokens=False):
         assert matcher.accept(token)
     assert matcher.is_terminated
+
+
+def test_fill_bitmasks_matches_fill(compiler, tok, vocab):
+    specs = [StructuredOutput(json_schema=SCHEMA), StructuredOutput(regex=REGEX)]
+    matchers = [compiler.matcher(specs[i % 2]) for i in range(5)]
+    for i, matcher in enumerate(matchers):  # each at its own state
+        walk(matcher, vocab, seed=i, max_tokens=i + 1)
+    one_by_one, batched = allocate_bitmask(7, vocab), allocate_bitmask(7, vocab)
+    rows = [6, 0, 3, 2, 5]
+    for matcher, row in zip(matchers, rows, strict=True):
+        matcher.fill(one_by_one, row)
+    fill_bitmasks(matchers, batched, rows)
+    assert torch.equal(one_by_one, batched)  # rows 1 and 4 still allow everything
+    fill_bitmasks(matchers[:2], batched)
+    assert torch.equal(batched[:2], one_by_one[[6, 0]])
+    with pytest.raises(ValueError, match="words a row"):
+        fill_bitmasks(matchers, allocate_bitmask(5, vocab + 64))
+    with pytest.raises(ValueError, match="outside"):
+        fill_bitmasks(matchers[:1], batched, [7])  # a raw-pointer write: checked first
