@@ -116,7 +116,7 @@ class StructuredOutput:
         if self.grammar is not None and not self.grammar.strip():
             raise ValueError("grammar is empty")
         if self.json_schema is not None:
-            _schema_dict(self.json_schema)
+            _schema_text(self.json_schema)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -127,8 +127,7 @@ class StructuredOutput:
         """
         self.validate()
         if self.json_schema is not None:
-            canonical = json.dumps(_schema_dict(self.json_schema), separators=(",", ":"))
-            return ("json_schema", canonical)
+            return ("json_schema", _schema_text(self.json_schema))
         if self.regex is not None:
             return ("regex", self.regex)
         if self.grammar is not None:
@@ -137,6 +136,14 @@ class StructuredOutput:
 
     def __hash__(self) -> int:  # a dict schema would make the generated hash raise
         return hash(self.key)
+
+
+def _schema_text(schema: object) -> str:
+    """Compact JSON text of a schema given as a dict or as JSON text."""
+    try:
+        return json.dumps(_schema_dict(schema), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json_schema is not valid JSON: {exc}") from None
 
 
 def _schema_dict(schema: object) -> dict:
@@ -263,6 +270,9 @@ class GrammarMatcher:
         """Advance by one sampled token; ``False`` (state unchanged) if the grammar forbids it."""
         if not 0 <= token_id < self.vocab_size:
             return False
+        if self._matcher.is_stopped():
+            # Only EOS may follow (the library's validate_tokens says no even to that).
+            return token_id in self.eos_token_ids and not self._matcher.is_error()
         # consume_token alone would put the matcher in a sticky error state on a bad token.
         if self._matcher.validate_tokens([token_id]) != 1:
             return False

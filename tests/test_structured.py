@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -58,6 +59,13 @@ def vocab(smollm2):
 @pytest.fixture(scope="module")
 def compiler(tok, vocab):
     return GrammarCompiler(tok, vocab)
+
+
+@pytest.fixture(scope="module")
+def padded(tok, vocab):
+    """A model whose embedding has 64 rows past the tokenizer's, stopping at EOS or <|endoftext|>."""
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    return GrammarCompiler(tok, vocab + 64, eos_token_ids=[tok.eos_token_id, endoftext])
 
 
 def allowed_ids(bitmask_row: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -128,6 +136,7 @@ def test_validate_needs_exactly_one(kwargs):
         ({"json_schema": ["type", "object"]}, "must be a JSON object"),
         ({"json_schema": '"a string"'}, "must be a JSON object"),
         ({"json_schema": "{not json"}, "not valid JSON"),
+        ({"json_schema": {"enum": {1, 2}}}, "not valid JSON"),
         ({"json_object": "yes"}, "json_object must be a bool"),
     ],
 )
@@ -189,8 +198,15 @@ def test_compile_cache_and_lru_bound(tok, vocab, compiler):
     assert len(small) == 2
 
 
-def test_padding_tokens_beyond_the_tokenizer_are_never_allowed(tok, vocab):
-    padded = GrammarCompiler(tok, vocab + 64)
+def test_compile_from_many_threads(compiler):
+    specs = [StructuredOutput(regex=f"x{i}[a-z]+") for i in range(4)] * 4
+    with ThreadPoolExecutor(4) as pool:
+        compiled = list(pool.map(compiler.compile, specs))
+    for spec, result in zip(specs, compiled, strict=True):
+        assert result is compiler.compile(spec)  # one object per key, whoever compiled first
+
+
+def test_padding_tokens_beyond_the_tokenizer_are_never_allowed(padded, vocab):
     matcher = padded.matcher(StructuredOutput(json_object=True))
     bitmask = allocate_bitmask(1, vocab + 64)
     matcher.fill(bitmask, 0)
@@ -262,6 +278,21 @@ def test_eos_only_when_complete(compiler, tok, vocab):
     assert done.is_terminated  # nothing can follow: only EOS remains
     done.fill(bitmask, 0)
     assert allowed_ids(bitmask[0], vocab).tolist() == [eos]
+    assert not done.accept(b)
+    assert done.accept(eos) and done.is_terminated
+
+
+def test_several_eos_tokens(padded, tok):
+    eos = padded.eos_token_ids
+    assert len(eos) == 2
+    for stop in eos:
+        matcher = padded.matcher(StructuredOutput(regex="a+"))
+        assert not matcher.accept(stop)  # not before the grammar is complete
+        assert matcher.accept(tok.encode("a", add_special_tokens=False)[0])
+        bitmask = allocate_bitmask(1, padded.vocab_size)
+        matcher.fill(bitmask, 0)
+        assert set(eos) <= set(allowed_ids(bitmask[0], padded.vocab_size).tolist())
+        assert matcher.accept(stop) and matcher.is_terminated
 
 
 def test_disallowed_accept_leaves_state_unchanged(compiler, tok, vocab):
