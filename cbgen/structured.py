@@ -1,32 +1,35 @@
 """Structured output: constrain a request's tokens to a JSON schema, a regex or a grammar.
 
 The grammar work is done by llguidance (``llguidance==1.9.1``), chosen over
-xgrammar 0.2.9 by ``python bench/structured_backends.py`` on this project's CPU
-machine (2 cores, SmolLM2 tokenizer, vocab 49152; medians, one run)::
+xgrammar 0.2.9 by ``python bench/structured_backends.py --threads 1`` on this
+project's 2-core CPU machine (SmolLM2 tokenizer, vocab 49152; medians of one
+run, with another process busy on one core; runs vary by up to ~1.5x)::
 
                                           xgrammar 0.2.9   llguidance 1.9.1
-    tokenizer info, once (ms)                      661              1129
-    compile JSON schema, to first mask (ms)         11.5               0.9
-    compile regex (ms)                               0.7               0.9
-    compile builtin JSON grammar (ms)                7.2               0.4
-    fill 1 row (us/token)                            7.0              40.8
-    accept (us/token)                                5.4               3.7
-    fill 64 rows, loop of fills (us/step)          272              1058
-    fill 64 rows, library's batch call (us/step)  2313              5622
-    apply to [64, 49152] float32 (us)         ~7000-12000    torch: ~5000-9000
+    tokenizer info, once (ms)                      156               377
+    compile JSON schema, to first mask (ms)          6.4               0.8
+    compile regex (ms)                               0.4               1.0
+    compile builtin JSON grammar (ms)                4.9               0.4
+    fill 1 row (us/token)                            6.0              33.8
+    accept (us/token)                                6.6               3.1
+    fill 64 rows, loop of fills (us/step)          210              1186
+    fill 64 rows, library's batch call (us/step)   185              1693
+    apply to [64, 49152] float32 (us)            11602              3169
 
-The timings are comparable where it matters: a 64-row SmolLM2 decode step
-takes ~200 ms here (~300 tok/s), so filling masks costs 0.1% (xgrammar) or
-0.5% (llguidance) of it, and applying the mask costs the same either way (a few
-ms, memory-bound; xgrammar's CPU kernel was not faster than the vectorized
-torch unpack below). llguidance compiles ~10x faster, which matters more for
-requests that each bring their own schema. And it is much smaller to install:
-one self-contained wheel (3 MB download, 7.8 MB installed, no dependencies,
-abi3), where xgrammar (1.3 MB) needs apache-tvm-ffi (3.3 MB, 11 MB installed)
-and declares ``triton`` (hundreds of MB) as a hard dependency on Linux x86_64,
-which a plain ``pip install`` of cbgen would drag in for a CPU engine. The
-library's batched fills were slower than a loop on 2 cores (thread hand-off
-costs more than the ~40 us of work per row), so the engine should loop.
+("apply" is xgrammar's C++ CPU kernel, and for llguidance, whose own helper is
+a ``torch.compile`` kernel, this module's ``apply_bitmask``.) An earlier run
+with 2 threads on the quiet machine agreed: fill 7.0 against 40.8 us a row,
+JSON schema compile 11.5 against 0.9 ms.
+
+xgrammar fills masks ~6x faster, llguidance compiles ~8x faster, and both are
+small next to a decode step: 64 SmolLM2 rows take ~200 ms a step here (~300
+tok/s), so filling 64 masks costs 0.1% (xgrammar) or 0.6% (llguidance) of it,
+and a fresh schema costs less than a step either way. With timings comparable
+in that sense, the install decided: llguidance is one self-contained abi3 wheel
+(3 MB download, 7.8 MB installed, no dependencies), where xgrammar (1.3 MB)
+needs apache-tvm-ffi (3.3 MB, 11 MB installed) and declares ``triton``
+(hundreds of MB, useless on CPU) as a hard dependency on Linux x86_64, which a
+plain ``pip install cbgen`` would pull in.
 
 How llguidance is used, and why:
 
@@ -44,13 +47,21 @@ How llguidance is used, and why:
   tokens. The mask allows them exactly when the grammar is complete (for a
   grammar that can still continue, beside the continuations); once the grammar
   cannot extend further, they are the only allowed tokens
-  (``is_terminated`` is then true) and accepting one keeps it true.
+  (``is_terminated`` is then true), and accepting one returns True and keeps
+  it so (``accept`` answers that itself: the library's ``validate_tokens``
+  refuses even EOS once stopped). Tokens that are neither in the grammar nor
+  EOS (the chat markers, the model's padding rows) are never allowed.
 * Regexes match the whole output, with ``\\d`` and ``\\w`` meaning ASCII (JSON
   Schema and JavaScript semantics): the library's default, Rust's Unicode
   classes, let ``\\d{3}`` produce "３൧9" in random walks.
 * JSON (schemas and ``json_object``) is generated compact, without free
-  whitespace: small models otherwise loop on newlines and spaces, and a
-  schema's own ``"x-guidance"`` options can still ask for whitespace.
+  whitespace: the output is canonical and short, and a model cannot wander
+  into endless newlines between tokens (a known failure of small models under
+  flexible whitespace). A schema's own ``"x-guidance"`` options can still ask
+  for whitespace.
+* Masks are applied by this module (``apply_bitmask``), not the library:
+  llguidance's torch helper is a ``torch.compile`` kernel, and on CPU the
+  table unpack here beat xgrammar's C++ kernel too.
 """
 
 from __future__ import annotations
@@ -323,8 +334,8 @@ def fill_bitmasks(
     """``matchers[i].fill(bitmask, rows[i])`` for all ``i`` (``rows`` None: row ``i``) in one
     call, which the library spreads over ``torch.get_num_threads()`` threads without the GIL.
 
-    On one thread this was ~1.3x faster than a loop of ``fill`` (64 rows); on two
-    cores busy with other work, slower: thread hand-offs against ~40 us of work a row.
+    For machines with cores to spare: on the 2-core bench machine it was within
+    noise of a loop of ``fill`` (0.7x-1.3x over runs, 64 rows of ~35 us each).
     """
     if rows is not None and len(rows) != len(matchers):
         raise ValueError(f"{len(rows)} rows for {len(matchers)} matchers")
