@@ -311,6 +311,19 @@ def test_disallowed_accept_leaves_state_unchanged(compiler, tok, vocab):
         assert matcher.accept(token)
 
 
+def test_a_failed_matcher_allows_only_eos(compiler, tok, vocab):
+    matcher = compiler.matcher(StructuredOutput(regex="ab"))
+    matcher._matcher.consume_token(
+        tok.encode("x", add_special_tokens=False)[0]
+    )  # as a library failure
+    assert matcher.error and matcher.is_terminated
+    bitmask = allocate_bitmask(1, vocab)
+    matcher.fill(bitmask, 0)
+    assert allowed_ids(bitmask[0], vocab).tolist() == [tok.eos_token_id]
+    assert not matcher.accept(tok.encode("a", add_special_tokens=False)[0])
+    assert matcher.accept(tok.eos_token_id)
+
+
 def test_matchers_are_independent_and_reset(compiler, tok, vocab):
     spec = StructuredOutput(regex="ab|cd")
     one, two = compiler.matcher(spec), compiler.matcher(spec)
