@@ -7,6 +7,7 @@ from .models import load_model
 from .online import Engine, EngineClosedError, EngineOverloadedError
 from .request import Completion, FinishReason, RequestOutput
 from .sampling import SamplingParams
+from .structured import StructuredOutput
 
 __all__ = [
     "Completion",
@@ -18,6 +19,7 @@ __all__ = [
     "FinishReason",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
     "generate_batch",
     "load_model",
 ]
