@@ -543,3 +543,42 @@ def test_request_timeout_finishes_it_with_what_it_has(llama):
         with pytest.raises(ValueError, match="timeout"):
             engine.add_request([5, 6], greedy(2), timeout=0)
         assert_no_leak(engine)
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def test_logprobs_reach_streams_and_results(llama):
+    """The core's logprobs in every delta (merged when a stream falls behind), whole on the
+    final output, and the same when a stream attaches late or the request is aborted."""
+    prompt = random_prompts(1, 6, 6, seed=5)[0]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    with make_engine(llama) as engine:
+        want = engine.get_result(engine.add_request(prompt, params), timeout=30)
+        assert len(want.logprobs) == len(want.token_ids) == 8
+        assert len(want.prompt_logprobs) == len(prompt) and want.prompt_logprobs[0] is None
+        assert all(
+            t in e and len(e) in (2, 3) for t, e in zip(want.token_ids, want.logprobs, strict=False)
+        )
+        # streamed: one entry per new token, the whole list on the last delta
+        deltas = list(engine.stream(engine.add_request(prompt, params)))
+        assert [e for d in deltas for e in d.new_logprobs] == want.logprobs
+        assert deltas[-1].logprobs == want.logprobs
+        assert all(d.prompt_logprobs == want.prompt_logprobs for d in deltas)
+        # a stream attached after the request finished gets it all in one delta
+        rid = engine.add_request(prompt, params)
+        engine.sync(timeout=30)
+        deadline = time.monotonic() + 30
+        while engine.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.02)
+        late = list(engine.stream(rid))
+        assert [e for d in late for e in d.new_logprobs] == want.logprobs
+        # cancelled: the logprobs published so far (none here), aligned with the tokens
+        with hold_engine(engine):
+            rid = engine.add_request(prompt, SamplingParams(max_new_tokens=400, logprobs=0))
+            engine.cancel(rid)
+        final = engine.get_result(rid, timeout=30)
+        assert final.logprobs is not None and len(final.logprobs) == len(final.token_ids)
+        off = engine.get_result(engine.add_request(prompt, greedy(2)), timeout=30)
+        assert off.logprobs is None and off.new_logprobs is None and off.prompt_logprobs is None
+        assert_no_leak(engine)

@@ -84,3 +84,34 @@ def test_stop_matcher_reads_the_request_argument(tokenizer):
         stop_matcher("r7", ["x"], None)
     with pytest.raises(ValueError, match="request 'r7': stop strings must be non-empty"):
         stop_matcher("r7", ["x", ""], tokenizer)
+
+
+def test_include_stop_keeps_the_stop_string_once(tokenizer, ids):
+    stop = "jumps"
+    processor = TextProcessor(
+        [1, 2, 3], make_decoder(tokenizer), stop_matcher("r", stop, tokenizer), include_stop=True
+    )
+    pieces = []
+    for token in ids:
+        piece, matched = processor.push([token], False)
+        pieces.append(piece)
+        if matched:
+            break
+    pieces.append(processor.flush())
+    assert "".join(pieces) == TEXT[: TEXT.index(stop) + len(stop)]
+
+
+def test_special_tokens_per_request(tokenizer):
+    from cbgen.online.text import Decoders, TextOptions
+
+    decoders = Decoders(tokenizer)
+    eos = tokenizer.eos_token_id
+    ids = tokenizer("Hi")["input_ids"] + [eos, eos]
+    texts = {}
+    for skip in (True, False):
+        for spaces in (True, False):
+            processor = decoders.processor([1], TextOptions(skip, spaces))
+            texts[skip, spaces] = processor.push(ids, True)[0]
+    assert texts[True, True] == texts[True, False] == "Hi"
+    # byte-level BPE puts no space before a special token: the option changes nothing
+    assert texts[False, True] == texts[False, False] == "Hi" + tokenizer.eos_token * 2

@@ -310,8 +310,8 @@ def test_bad_parameters(server):
     client = server.client
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(**chat, logprobs=True, presence_penalty=0.5)
-    assert_error(e, 400, "logprobs", "presence_penalty")
+        client.chat.completions.create(**chat, audio={"voice": "x"}, store=True)
+    assert_error(e, 400, "audio", "store")
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             **chat, tools=[{"type": "function", "function": {"name": "f"}}]
@@ -320,8 +320,8 @@ def test_bad_parameters(server):
     # neutral values of unsupported parameters are fine
     client.chat.completions.create(**chat, presence_penalty=0, logprobs=False, user="u1")
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True, best_of=3)
-    assert_error(e, 400, "best_of", "echo")
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, suffix="y", best_of=3)
+    assert_error(e, 400, "best_of", "suffix")
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**chat, temperature=5)
     assert_error(e, 400, "temperature")

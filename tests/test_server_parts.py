@@ -134,7 +134,9 @@ def test_default_max_tokens_fits_the_context_and_the_server_cap(translator):
         ({"max_tokens": 0}, 400, "max_tokens", None),
         ({"max_tokens": 62}, 400, "max_tokens", "context_length_exceeded"),
         ({"prompt": [1] * CONTEXT}, 400, "prompt", "context_length_exceeded"),
-        ({"logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+        ({"suffix": "x"}, 400, "suffix", "unsupported_parameter"),
+        ({"logprobs": 21}, 400, "logprobs", None),
+        ({"max_tokens": 0, "logprobs": 1}, 400, "max_tokens", None),
     ],
 )
 def test_completion_refusals(translator, body, status, param, code):
@@ -346,3 +348,64 @@ def test_read_json_gives_up_on_a_body_that_never_comes():
     err = refusal(read, http_request({}, None), timeout=0.05)
     assert (err.status, err.code) == (408, "request_timeout")
     assert err.headers == {"Connection": "close"}
+
+
+def test_extension_fields_become_sampling_params(translator):
+    work = completion(
+        translator,
+        prompt=[1, 2, 3],
+        max_tokens=4,
+        repetition_penalty=1.2,
+        presence_penalty=-0.5,
+        frequency_penalty=0.5,
+        min_p=0.1,
+        min_tokens=2,
+        stop_token_ids=[7, 8],
+        logit_bias={"5": 250, "6": -1e9, " 9": 3},
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        logprobs=2,
+        echo=True,
+    )
+    params = work.params[0]
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (
+        1.2,
+        -0.5,
+        0.5,
+    )
+    assert (params.min_p, params.min_tokens, tuple(params.stop_token_ids)) == (0.1, 2, (7, 8))
+    assert params.logit_bias == {5: 100.0, 6: -100.0, 9: 3.0}
+    assert params.include_stop_str_in_output and params.logprobs == 2
+    assert params.prompt_logprobs == 2  # echo with logprobs scores the prompt
+    assert work.text_options == {
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    }
+    assert work.report.echo and work.report.echo_texts == [translator.tokenizer.decode([1, 2, 3])]
+
+
+def test_max_tokens_zero_with_echo_runs_one_token(translator):
+    work = completion(translator, prompt="Hi", max_tokens=0, echo=True, logprobs=0)
+    assert work.params[0].max_new_tokens == 1 and work.report.drop_generated
+    assert work.report.echo_texts == ["Hi"] and work.params[0].prompt_logprobs == 0
+
+
+def test_chat_logprobs_fields(translator):
+    messages = [{"role": "user", "content": "Hi"}]
+    assert chat(translator, messages=messages).params[0].logprobs is None
+    assert chat(translator, messages=messages, logprobs=True).params[0].logprobs == 0
+    work = chat(translator, messages=messages, logprobs=True, top_logprobs=5, prompt_logprobs=1)
+    assert (work.params[0].logprobs, work.params[0].prompt_logprobs) == (5, 1)
+    for body, param in (
+        ({"top_logprobs": 1}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"echo": True}, "echo"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+    ):
+        err = refusal(chat, translator, messages=messages, **body)
+        assert (err.status, err.param) == (400, param), body

@@ -18,14 +18,13 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
-from ..detokenizer import make_decoder
 from ..engine import EngineCore
 from ..sampling import SamplingParams
 from .loop import ABORT, ADD, BARRIER, CLOSE, EngineLoop
 from .outputs import EngineClosedError, EngineSnapshot, OnlineRequestOutput
 from .results import RequestRecord, ResultStore
 from .streams import AsyncRequestStream, AsyncStreamGroup, RequestStream, SinkGroup
-from .text import TextProcessor, stop_matcher
+from .text import Decoders, TextOptions, stop_matcher
 from .waiters import AsyncWaiter, ThreadWaiter, Waiter, wait
 
 
@@ -87,9 +86,8 @@ class Engine:
         self.core = EngineCore(model, config)
         self.config = self.core.config
         self.tokenizer = tokenizer
-        self._decode = (
-            make_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
-        )
+        self.skip_special_tokens = skip_special_tokens  # the default of add_request
+        self._decoders = Decoders(tokenizer) if tokenizer is not None else None
         self._results = ResultStore(
             self.config, max_retained_results, max_unread_tokens, stream_timeout
         )
@@ -136,14 +134,22 @@ class Engine:
         *,
         stop: Sequence[str] | str | None = None,
         timeout: float | None = None,
+        skip_special_tokens: bool | None = None,
+        spaces_between_special_tokens: bool = True,
     ) -> str:
         """Queue a request and return its id; an invalid one raises ``ValueError`` here.
 
         ``prompt`` is token ids (or a string, encoded with the tokenizer). ``stop``
-        lists stop strings, matched on the decoded text (needs a tokenizer).
+        lists stop strings, matched on the decoded text (needs a tokenizer), on top of
+        ``params.stop``; the online engine matches them in its text layer (the core
+        gets the params without them), with ``params.include_stop_str_in_output``.
         ``timeout``: seconds from now after which the request finishes with
-        ``"timeout"`` (and what it generated so far). Raises ``EngineOverloadedError``
-        when the queue bounds of ``EngineConfig`` are reached.
+        ``"timeout"`` (and what it generated so far). ``skip_special_tokens``
+        (default: the engine's) and ``spaces_between_special_tokens`` shape this
+        request's text (``cbgen.online.text.TextOptions``). With ``params.logprobs``
+        / ``params.prompt_logprobs`` the outputs carry them (``OnlineRequestOutput``).
+        Raises ``EngineOverloadedError`` when the queue bounds of ``EngineConfig`` are
+        reached.
         """
         params = params if params is not None else SamplingParams()
         if timeout is not None and not (
@@ -158,12 +164,19 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer")
             prompt = self.tokenizer.encode(prompt)
+        if params.stop:  # matched here, on the text, like the ``stop`` argument
+            stop = params.stop_strings + ([] if stop is None else _as_list(stop))
+            params = dataclasses.replace(params, stop=None)
         stops = stop_matcher(rid, stop, self.tokenizer)
         prompt_ids = self._validate(rid, prompt, params)
         deadline = None if timeout is None else time.monotonic() + timeout
         request = RequestRecord(rid, prompt_ids, params, deadline)
-        if self._decode is not None:
-            request.text_processor = TextProcessor(prompt_ids, self._decode, stops)
+        if self._decoders is not None:
+            skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+            options = TextOptions(bool(skip), bool(spaces_between_special_tokens))
+            request.text_processor = self._decoders.processor(
+                prompt_ids, options, stops, params.include_stop_str_in_output
+            )
             request.pieces = []
         with self._lock:
             rid = self._results.add_locked(request, self._next_id if auto_id else None)
@@ -329,6 +342,10 @@ class Engine:
         group = SinkGroup(asyncio.get_running_loop())
         self._results.attach(request_ids, group)
         return AsyncStreamGroup(self._lock, group, self._loop.abandon)
+
+
+def _as_list(stop: Sequence[str] | str) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop)
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -209,6 +209,9 @@ class EngineLoop:
             num_cached_tokens=out.num_cached_tokens,
             text=text,
             new_text=new_text,
+            logprobs=out.logprobs if finished else None,  # whole, like text, on the last delta
+            new_logprobs=out.new_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def _final(
@@ -228,6 +231,9 @@ class EngineLoop:
             error=error,
             text=None if new_text is None else (request.text or "") + new_text,
             new_text=new_text,
+            logprobs=_copy(request.logprobs),
+            new_logprobs=None if request.logprobs is None else [],
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def _fail_step(self, exc: Exception) -> None:
@@ -273,3 +279,7 @@ class EngineLoop:
                 arg.set()
         with contextlib.suppress(Exception):  # a broken core keeps its last snapshot
             self.publish_snapshot()
+
+
+def _copy(entries: list | None) -> list | None:
+    return None if entries is None else list(entries)

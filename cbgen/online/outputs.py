@@ -31,6 +31,11 @@ class OnlineRequestOutput(RequestOutput):
     returns), so that streaming stays linear in the output length. ``text`` and
     ``new_text`` are ``None`` when the engine has no tokenizer. With a stop string,
     ``text`` ends right before it while ``token_ids`` keep every generated token.
+
+    With ``SamplingParams.logprobs``, ``new_logprobs`` holds one entry per
+    ``new_token_ids`` on every delta, and ``logprobs`` (one per ``token_ids``) comes with
+    the last delta only, like ``text``; ``prompt_logprobs`` is on every delta once the
+    prompt is scored (``SamplingParams.prompt_logprobs``).
     """
 
     text: str | None = None

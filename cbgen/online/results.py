@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..config import EngineConfig
+from ..logprobs import TokenLogprobs
 from ..sampling import SamplingParams
 from .outputs import EngineClosedError, EngineOverloadedError, OnlineRequestOutput
 from .streams import Sink, SinkGroup, resolve_all
@@ -49,6 +50,8 @@ class RequestRecord:
         "text_processor",
         "token_ids",
         "pieces",
+        "logprobs",
+        "prompt_logprobs",
         "queued",
         "final",
         "sink",
@@ -65,6 +68,9 @@ class RequestRecord:
         self.text_processor: TextProcessor | None = None  # loop only
         self.token_ids: list[int] = []  # published so far
         self.pieces: list[str] | None = None  # the text published so far, in pieces
+        # The logprobs published so far, when the params ask for them.
+        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.queued = True  # added, no token published yet (counts against the queue bounds)
         self.final: OnlineRequestOutput | None = None
         # The stream that follows it. A finished request leaves the registry, so no
@@ -256,7 +262,10 @@ class ResultStore:
                 if final is not None:  # finished, unclaimed: the stream gets it all at once
                     self._collect_locked(request)
                     catch_up = dataclasses.replace(
-                        final, new_token_ids=list(final.token_ids), new_text=final.text
+                        final,
+                        new_token_ids=list(final.token_ids),
+                        new_text=final.text,
+                        new_logprobs=None if final.logprobs is None else list(final.logprobs),
                     )
                     sink.offer(catch_up, wakes)
                     continue
@@ -270,6 +279,8 @@ class ResultStore:
                             finished=False,
                             new_token_ids=list(request.token_ids),
                             new_text=request.text,
+                            new_logprobs=_copy(request.logprobs),
+                            prompt_logprobs=request.prompt_logprobs,
                         ),
                         wakes,
                     )
@@ -302,6 +313,10 @@ class ResultStore:
                 request.token_ids.extend(delta.new_token_ids)
                 if delta.new_text and request.pieces is not None:
                     request.pieces.append(delta.new_text)
+                if delta.new_logprobs and request.logprobs is not None:
+                    request.logprobs.extend(delta.new_logprobs)
+                if delta.prompt_logprobs is not None:
+                    request.prompt_logprobs = delta.prompt_logprobs
                 sink = request.sink
                 if sink is not None:
                     sink.offer(delta, wakes)
@@ -366,3 +381,7 @@ class ResultStore:
             self.any_waiters.clear()
         for waiter in waiters:
             waiter.wake()
+
+
+def _copy(entries: list | None) -> list | None:
+    return None if entries is None else list(entries)

@@ -35,7 +35,17 @@ if TYPE_CHECKING:
 class Sink:
     """The unread part of one request's stream, merged into one delta."""
 
-    __slots__ = ("group", "index", "request", "tokens", "texts", "last", "since", "done")
+    __slots__ = (
+        "group",
+        "index",
+        "request",
+        "tokens",
+        "texts",
+        "logprobs",
+        "last",
+        "since",
+        "done",
+    )
 
     def __init__(self, group: SinkGroup, index: int, request: Any) -> None:
         self.group = group
@@ -43,6 +53,7 @@ class Sink:
         self.request = request  # the engine's record, for abandoning it
         self.tokens: list[int] = []
         self.texts: list[str] = []
+        self.logprobs: list[dict[int, float]] = []  # per unread token, when asked for
         self.last: OnlineRequestOutput | None = None  # the newest unread delta
         self.since = 0.0  # when the oldest unread delta arrived
         self.done = False  # the consumer has taken the final delta
@@ -60,6 +71,8 @@ class Sink:
         self.tokens.extend(delta.new_token_ids)
         if delta.new_text:
             self.texts.append(delta.new_text)
+        if delta.new_logprobs:
+            self.logprobs.extend(delta.new_logprobs)
         self.last = delta
 
     def take(self) -> OnlineRequestOutput:
@@ -70,8 +83,9 @@ class Sink:
             last,
             new_token_ids=self.tokens,
             new_text=None if last.new_text is None else "".join(self.texts),
+            new_logprobs=None if last.new_logprobs is None else self.logprobs,
         )
-        self.tokens, self.texts, self.last = [], [], None
+        self.tokens, self.texts, self.logprobs, self.last = [], [], [], None
         if merged.finished:
             self.done = True
         return merged

@@ -23,8 +23,10 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..online import Engine
 from .calls import Call, Calls
+from .choices import ChoiceWriter
 from .guard import LOOPBACK_HOSTS, APIGuard
 from .intake import DEFAULT_MAX_BODY_BYTES, check_api_key, read_json
+from .logprobs import TokenStrings
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, error_body
 from .responses import ResponseShape
@@ -81,6 +83,7 @@ class _Server:
             tokenizer_threads,
         )
         self.calls = Calls(engine, self.metrics, fair_share_choices)
+        self.token_strings = TokenStrings(tokenizer)  # logprobs' token texts, cached
         self.draining = False  # no new calls (SIGTERM)
 
     @property
@@ -120,7 +123,8 @@ class _Server:
         return await read_json(request, self.max_body_bytes, self.body_timeout)
 
     async def run(self, work: Translated, t0: float, request: Request) -> Any:
-        call = Call(work, ResponseShape.new(work.chat, self.model_name), t0)
+        writer = ChoiceWriter(work.report, self.token_strings, work.chat, work.prompts, work.n)
+        call = Call(work, ResponseShape.new(work.chat, self.model_name, writer), t0)
         return await self.calls.run(call, request)
 
     def health(self) -> JSONResponse:

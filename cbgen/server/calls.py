@@ -108,6 +108,7 @@ class Calls:
                         f"{job.id}-{len(job.rids)}",
                         stop=work.stop,
                         timeout=job.timeout,
+                        **work.text_options,
                     )
                     job.rids.append(rid)
             job.choices = engine.stream_many_async(job.rids)
@@ -140,6 +141,7 @@ class Calls:
     async def deltas(self, job: Call) -> AsyncIterator[tuple[int, OnlineRequestOutput]]:
         """Every choice's deltas as they come, tagged with the choice index; times tokens."""
         metrics = self.metrics
+        shown = not job.work.report.drop_generated  # max_tokens 0: the one token run is not
         last: list[float | None] = [None] * len(job.rids)
         remaining = len(job.rids)
         try:
@@ -156,7 +158,8 @@ class Calls:
                             metrics.itl.observe(gap)
                     last[index] = now
                     metrics.generation_tokens.inc(count)
-                    job.completion_tokens += count
+                    if shown:
+                        job.completion_tokens += count
                 if delta.finished:
                     remaining -= 1
                     metrics.e2e.observe(now - job.t0)
@@ -223,11 +226,19 @@ class Calls:
                     if self.shutting_down and delta.finish_reason is FinishReason.ABORTED:
                         yield sse(error_body(SHUTDOWN_MESSAGE, "server_error"))
                         break
-                    text = delta.new_text or ""
-                    if not text and not delta.finished:
+                    text, logprobs = delta.new_text or "", None
+                    writer = shape.choices
+                    if writer is not None:
+                        text, logprobs = writer.chunk(index, delta)
+                    tokens = writer is not None and writer.shows_tokens and delta.new_token_ids
+                    if not text and not tokens and not delta.finished:
                         continue
-                    reason = finish_reason_name(delta.finish_reason) if delta.finished else None
-                    choice = shape.chunk_choice(index, text, reason)
+                    reason = None
+                    if delta.finished:
+                        reason = finish_reason_name(delta.finish_reason)
+                        if writer is not None and writer.report.drop_generated:
+                            reason = "length"
+                    choice = shape.chunk_choice(index, text, reason, logprobs)
                     yield sse({**head, "choices": [choice], **tail})
                 else:  # every delta read; not all finished if end_streams() cut it
                     if not job.done and self.shutting_down:

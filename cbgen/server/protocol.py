@@ -1,10 +1,10 @@
 """The OpenAI request shapes the server accepts, and the checks that give clean 400s.
 
 Requests are parsed with pydantic (``extra="allow"``): fields cbgen implements are
-typed here; any other field is looked up in ``_NEUTRAL`` (OpenAI parameters that are
-accepted at their default, "off" value, or ignored because they change nothing here)
-and rejected otherwise, so ``logprobs``, ``tools`` or ``presence_penalty=0.5`` get a
-400 that names them rather than being silently dropped.
+typed here (OpenAI's, and vLLM's extensions with vLLM's meaning); any other field is
+looked up in ``_NEUTRAL`` (OpenAI parameters that are accepted at their default, "off"
+value, or ignored because they change nothing here) and rejected otherwise, so
+``tools`` or ``suffix="x"`` get a 400 that names them rather than being silently dropped.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 
 class APIError(Exception):
@@ -52,27 +52,48 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Sampling fields shared by both endpoints (``top_k`` and ``ignore_eos`` are extensions)."""
+    """Fields shared by both endpoints: OpenAI's sampling fields, then vLLM's extensions
+    (``top_k`` .. ``guided_grammar``, with vLLM's meaning), then cbgen's own."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
     n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
-    priority: int = 0  # extension: lower runs first; may preempt running requests of higher
-    timeout: float | None = Field(default=None, gt=0)  # extension: seconds for the request
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: StrictInt | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    # cbgen's own
+    priority: int = 0  # lower runs first; may preempt running requests of higher
+    timeout: float | None = Field(default=None, gt=0)  # seconds for the request
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None
+    logprobs: StrictInt | None = None  # top-N per token (0: the sampled token's only)
+    echo: bool = False  # the prompt before the completion (and its logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -87,6 +108,8 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
 
 
 def _off(*values: Any) -> Callable[[Any], bool]:
@@ -103,28 +126,20 @@ def _anything(v: Any) -> bool:
 
 # OpenAI parameters accepted only where they change nothing (their neutral value).
 _COMMON_NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _off(0, 0.0),
-    "frequency_penalty": _off(0, 0.0),
-    "logit_bias": _empty,
     "user": _anything,  # an end-user id for abuse tracking: nothing to track here
 }
 COMPLETION_NEUTRAL = {
     **_COMMON_NEUTRAL,
-    "logprobs": _off(),  # 0 still asks for the sampled tokens' logprobs
-    "echo": _off(False),
     "suffix": _off(""),
     "best_of": _off(1),  # best_of == n is also accepted (checked where n is known)
 }
 CHAT_NEUTRAL = {
     **_COMMON_NEUTRAL,
-    "logprobs": _off(False),
-    "top_logprobs": _off(0),
     "tools": _empty,
     "tool_choice": _off("none"),
     "functions": _empty,
     "function_call": _off("none"),
     "parallel_tool_calls": _anything,  # meaningless without tools
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off(),
     "prediction": _off(),
@@ -168,9 +183,9 @@ def check_unsupported(
         names = ", ".join(sorted(bad))
         raise APIError(
             400,
-            f"unsupported parameter{'s' if len(bad) > 1 else ''}: {names} (cbgen serves text "
-            "generation with max_tokens, temperature, top_p, top_k, n, stop, seed, stream, "
-            "stream_options)",
+            f"unsupported parameter{'s' if len(bad) > 1 else ''}: {names} (see the README's "
+            "server fields: OpenAI's sampling, logprobs and response_format fields and "
+            "vLLM's extensions are served)",
             param=sorted(bad)[0],
             code="unsupported_parameter",
         )

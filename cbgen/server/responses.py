@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from .choices import ChoiceWriter
 from .protocol import finish_reason_name
 
 
@@ -23,17 +24,25 @@ def sse(payload: dict[str, Any]) -> str:
 class ResponseShape:
     """The fields that differ between a completion and a chat completion, in one place."""
 
-    def __init__(self, chat: bool, call_id: str, created: int, model: str) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        call_id: str,
+        created: int,
+        model: str,
+        choices: ChoiceWriter | None = None,
+    ) -> None:
         self.chat = chat
         self.call_id = call_id
         self.created = created
         self.model = model
+        self.choices = choices  # echo and logprobs, when the call asks for them
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> ResponseShape:
+    def new(cls, chat: bool, model: str, choices: ChoiceWriter | None = None) -> ResponseShape:
         """The shape of a new call: a fresh id (``chatcmpl-...`` or ``cmpl-...``), made now."""
         prefix = "chatcmpl" if chat else "cmpl"
-        return cls(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+        return cls(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, choices)
 
     def chunk_head(self) -> dict[str, Any]:
         head: dict[str, Any] = {
@@ -46,12 +55,15 @@ class ResponseShape:
             head["system_fingerprint"] = None
         return head
 
-    def chunk_choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
-        """A streamed choice: what ``text`` adds, and the finish reason on the last one."""
+    def chunk_choice(
+        self, index: int, text: str, reason: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        """A streamed choice: what ``text`` adds (and its tokens' ``logprobs``), and the
+        finish reason on the last one."""
         if self.chat:
             content = {"content": text} if text else {}
-            return {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def role_choice(self, index: int) -> dict[str, Any]:
         """The first chunk of every chat choice, which names the role."""
@@ -70,16 +82,24 @@ class ResponseShape:
     def response(self, finals: list[Any], usage: dict[str, int]) -> dict[str, Any]:
         """The whole answer of a call that was not streamed."""
         choices = []
+        prompt_logprobs = None
         for index, final in enumerate(finals):
             reason = finish_reason_name(final.finish_reason)
-            text = final.text or ""
+            extras: dict[str, Any] = {"text": final.text or "", "logprobs": None}
+            if self.choices is not None:
+                extras = self.choices.whole(index, final)
+                if self.choices.report.drop_generated:
+                    reason = "length"  # max_tokens: 0
+            text = extras.pop("text")
             if self.chat:
                 message = {"role": "assistant", "content": text}
                 choice = {"index": index, "message": message}
+                if "prompt_logprobs" in extras:  # vLLM: on the response, not the choice
+                    prompt_logprobs = extras.pop("prompt_logprobs")
             else:
                 choice = {"index": index, "text": text}
-            choices.append({**choice, "logprobs": None, "finish_reason": reason})
-        return {
+            choices.append({**choice, **extras, "finish_reason": reason})
+        body = {
             "id": self.call_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -88,6 +108,9 @@ class ResponseShape:
             "choices": choices,
             "usage": usage,
         }
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
+        return body
 
 
 class TimedStreamingResponse(StreamingResponse):

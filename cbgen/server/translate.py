@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sampling import SamplingParams
+from .fields import check_count, penalties, structured_output
+from .logprobs import Report
 from .protocol import (
     CHAT_NEUTRAL,
     COMPLETION_NEUTRAL,
@@ -55,6 +57,8 @@ class Translated:
     stream: bool
     include_usage: bool
     timeout: float | None
+    report: Report
+    text_options: dict[str, bool]  # ``Engine.add_request``'s special-token keywords
 
 
 class Translator:
@@ -93,13 +97,34 @@ class Translator:
         n = self.num_choices(req, self.num_prompts(req.prompt))
         stop = self.stops(req)
         include_usage = self.include_usage(req)
+        report = Report(
+            logprobs=check_count("logprobs", req.logprobs),
+            echo=req.echo,
+            prompt_logprobs=self.prompt_logprobs(req),
+        )
+        max_tokens = req.max_tokens
+        if max_tokens == 0 and req.echo:  # the prompt alone: run one token, show none
+            report.drop_generated, max_tokens = True, 1
         prompts = await self.off_loop(self.completion_prompts, req.prompt)
+        if req.echo:
+            report.echo_texts = await self.off_loop(
+                self.echo_texts, req.prompt, prompts, req.skip_special_tokens
+            )
         params = [
-            self.sampling(req, len(p), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+            self.sampling(req, len(p), max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, report)
             for p in prompts
         ]
         return Translated(
-            False, prompts, params, n, stop, bool(req.stream), include_usage, req.timeout
+            False,
+            prompts,
+            params,
+            n,
+            stop,
+            bool(req.stream),
+            include_usage,
+            req.timeout,
+            report,
+            text_options(req),
         )
 
     async def chat(self, body: Any) -> Translated:
@@ -116,9 +141,25 @@ class Translator:
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
-        params = [self.sampling(req, len(prompt), max_tokens, None)]
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true.", "top_logprobs")
+        count = check_count("top_logprobs", req.top_logprobs)
+        report = Report(
+            logprobs=(count or 0) if req.logprobs else None,
+            prompt_logprobs=self.prompt_logprobs(req),
+        )
+        params = [self.sampling(req, len(prompt), max_tokens, None, report)]
         return Translated(
-            True, [prompt], params, n, stop, bool(req.stream), include_usage, req.timeout
+            True,
+            [prompt],
+            params,
+            n,
+            stop,
+            bool(req.stream),
+            include_usage,
+            req.timeout,
+            report,
+            text_options(req),
         )
 
     # -- checks ---------------------------------------------------------------------------
@@ -132,8 +173,21 @@ class Translator:
                 code="model_not_found",
             )
 
+    def prompt_logprobs(self, req: Any) -> int | None:
+        count = check_count("prompt_logprobs", req.prompt_logprobs)
+        if count is not None and req.stream:
+            raise APIError(
+                400, "prompt_logprobs are not available with stream: true.", "prompt_logprobs"
+            )
+        return count
+
     def sampling(
-        self, req: Any, prompt_len: int, max_tokens: int | None, default_max: int | None
+        self,
+        req: Any,
+        prompt_len: int,
+        max_tokens: int | None,
+        default_max: int | None,
+        report: Report,
     ) -> SamplingParams:
         limit = self.max_model_len
         room = limit - prompt_len
@@ -151,7 +205,11 @@ class Translator:
             if cap is not None:
                 max_tokens = min(max_tokens, cap)
         elif max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            raise APIError(
+                400,
+                f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}.",
+                "max_tokens",
+            )
         elif cap is not None and max_tokens > cap:
             raise APIError(
                 400,
@@ -191,6 +249,11 @@ class Translator:
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             priority=priority,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=report.logprobs,
+            prompt_logprobs=report.engine_prompt_logprobs,
+            **penalties(req),
+            **structured_output(req),
         )
 
     def num_choices(self, req: Any, num_prompts: int) -> int:
@@ -274,6 +337,16 @@ class Translator:
             out.append(ids)
         return out
 
+    def echo_texts(self, prompt: Any, prompts: list[list[int]], skip_special: bool) -> list[str]:
+        """What ``echo`` puts before each completion: a text prompt as given, token ids
+        decoded (runs on the tokenizer pool)."""
+        return [
+            p
+            if isinstance(p, str)
+            else self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+            for p, ids in zip(prompt_list(prompt), prompts, strict=True)
+        ]
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "This model has no chat template; use /v1/completions.")
@@ -284,6 +357,14 @@ class Translator:
         except Exception as exc:  # the template rejected the conversation (e.g. role order)
             raise APIError(400, f"The chat template failed: {exc}", param="messages") from None
         return list(encoded["input_ids"])
+
+
+def text_options(req: Any) -> dict[str, bool]:
+    """vLLM's special-token fields as ``Engine.add_request`` keywords."""
+    return {
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+    }
 
 
 def prompt_list(prompt: Any) -> list[Any]:
