@@ -2,11 +2,14 @@
 
     python bench/serve_compare.py                       # both servers, 3 repeats each
     python bench/serve_compare.py --systems cbgen --repeats 1
+    python bench/serve_compare.py --backends openai,openai-chat   # /v1/completions too
 
 Each server runs in turn on the bundled SmolLM2-135M-Instruct (cbgen's converted folder,
 float32), pinned with its client to the same ``--cpus`` (default 0,1) with
 ``--threads`` compute threads, and is loaded by ``vllm bench serve --backend openai-chat``
-(``bench/peers/vllm_cli.py``, from the venv that ``sh bench/peers/setup_vllm.sh`` makes):
+(``/v1/chat/completions``; ``--backends openai`` loads ``/v1/completions``, whose client
+sends vLLM's ``repetition_penalty`` and ``logprobs`` fields) through
+``bench/peers/vllm_cli.py``, from the venv that ``sh bench/peers/setup_vllm.sh`` makes:
 ``--num-prompts`` random ``--input-len``-token prompts, ``--output-len`` tokens each with
 EOS ignored, ``--concurrency`` at a time. One warm-up run precedes the measured repeats;
 medians are reported, with cbgen's ratio to vLLM.
@@ -29,7 +32,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / "bench" / "peers" / ".venv-vllm" / "bin" / "python"
 VLLM_CLI = ROOT / "bench" / "peers" / "vllm_cli.py"
+ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 FIELDS = {
+    "request_s": r"Request throughput \(req/s\):\s+([\d.]+)",
+    "failed": r"Failed requests:\s+(\d+)",
     "output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
     "ttft_median_ms": r"Median TTFT \(ms\):\s+([\d.]+)",
     "itl_median_ms": r"Median ITL \(ms\):\s+([\d.]+)",
@@ -90,9 +96,11 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("the server did not become ready")
 
 
-def _run_client(args: argparse.Namespace, folder: Path, num_prompts: int) -> dict[str, float]:
-    cmd = [str(VLLM_PY), str(VLLM_CLI), "bench", "serve", "--backend", "openai-chat"]
-    cmd += ["--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", "/v1/chat/completions"]
+def _run_client(
+    args: argparse.Namespace, folder: Path, num_prompts: int, backend: str
+) -> dict[str, float]:
+    cmd = [str(args.vllm_python), str(VLLM_CLI), "bench", "serve", "--backend", backend]
+    cmd += ["--base-url", f"http://127.0.0.1:{args.port}", "--endpoint", ENDPOINTS[backend]]
     cmd += ["--model", "smollm2", "--tokenizer", str(folder), "--dataset-name", "random"]
     cmd += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     cmd += ["--num-prompts", str(num_prompts), "--max-concurrency", str(args.concurrency)]
@@ -113,10 +121,15 @@ def _run_client(args: argparse.Namespace, folder: Path, num_prompts: int) -> dic
     for name, pattern in FIELDS.items():
         match = re.search(pattern, out.stdout)
         result[name] = float(match.group(1)) if match else float("nan")
+    if result["failed"] != 0:
+        raise RuntimeError(f"{result['failed']:.0f} requests failed:\n{out.stdout[-3000:]}")
     return result
 
 
-def measure(system: str, args: argparse.Namespace, folder: Path) -> list[dict[str, float]]:
+def measure(
+    system: str, args: argparse.Namespace, folder: Path
+) -> dict[str, list[dict[str, float]]]:
+    """The runs of every backend (``--backends``) against one server."""
     cmd, env = _server_command(system, args, folder)
     cpus = {int(c) for c in args.cpus.split(",")}
     proc = subprocess.Popen(
@@ -130,12 +143,14 @@ def measure(system: str, args: argparse.Namespace, folder: Path) -> list[dict[st
     )
     try:
         _wait_ready(args.port, proc, args.timeout)
-        _run_client(args, folder, args.concurrency)  # warm-up
-        runs = []
-        for i in range(args.repeats):
-            result = _run_client(args, folder, args.num_prompts)
-            print(f"{system} run {i + 1}: {result}", flush=True)
-            runs.append(result)
+        runs: dict[str, list[dict[str, float]]] = {}
+        for backend in args.backends.split(","):
+            _run_client(args, folder, args.concurrency, backend)  # warm-up
+            runs[backend] = []
+            for i in range(args.repeats):
+                result = _run_client(args, folder, args.num_prompts, backend)
+                print(f"{system} {backend} run {i + 1}: {result}", flush=True)
+                runs[backend].append(result)
         return runs
     finally:
         proc.send_signal(signal.SIGINT)
@@ -159,29 +174,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm-kv-gib", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--backends", default="openai-chat", help="openai, openai-chat or both")
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_PY, help="vLLM's venv python")
     args = parser.parse_args(argv)
+    if set(args.backends.split(",")) - set(ENDPOINTS):
+        parser.error(f"--backends: one or more of {', '.join(ENDPOINTS)}")
     systems = args.systems.split(",")
-    if "vllm" in systems and not VLLM_PY.exists():
-        print("vLLM's venv is missing: sh bench/peers/setup_vllm.sh", file=sys.stderr)
-        return 1
-    if not VLLM_PY.exists():
+    if not args.vllm_python.exists():
         print("the client is vLLM's: sh bench/peers/setup_vllm.sh", file=sys.stderr)
         return 1
     folder = _model_dir()
-    medians = {}
+    medians: dict[tuple[str, str], dict[str, float]] = {}
     for system in systems:
-        runs = measure(system, args, folder)
-        medians[system] = {k: statistics.median(r[k] for r in runs) for k in FIELDS}
+        for backend, runs in measure(system, args, folder).items():
+            medians[system, backend] = {k: statistics.median(r[k] for r in runs) for k in FIELDS}
     print()
-    print(f"{'system':8} {'output tok/s':>13} {'TTFT ms':>9} {'ITL ms':>8} {'TPOT ms':>8}")
-    for system, m in medians.items():
+    print(
+        f"{'system':8} {'backend':12} {'req/s':>7} {'output tok/s':>13} {'TTFT ms':>9} "
+        f"{'ITL ms':>8} {'TPOT ms':>8}"
+    )
+    for (system, backend), m in medians.items():
         print(
-            f"{system:8} {m['output_tok_s']:13.1f} {m['ttft_median_ms']:9.0f} "
-            f"{m['itl_median_ms']:8.1f} {m['tpot_median_ms']:8.1f}"
+            f"{system:8} {backend:12} {m['request_s']:7.2f} {m['output_tok_s']:13.1f} "
+            f"{m['ttft_median_ms']:9.0f} {m['itl_median_ms']:8.1f} {m['tpot_median_ms']:8.1f}"
         )
-    if "cbgen" in medians and "vllm" in medians:
-        ratio = medians["cbgen"]["output_tok_s"] / medians["vllm"]["output_tok_s"]
-        print(f"cbgen / vLLM output tok/s: {ratio:.2f}x (medians of {args.repeats})")
+    for backend in args.backends.split(","):
+        if ("cbgen", backend) in medians and ("vllm", backend) in medians:
+            ratio = (
+                medians["cbgen", backend]["output_tok_s"] / medians["vllm", backend]["output_tok_s"]
+            )
+            print(f"{backend}: cbgen / vLLM output tok/s {ratio:.2f}x (medians of {args.repeats})")
     return 0
 
 
