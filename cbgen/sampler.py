@@ -79,7 +79,11 @@ class Sampler:
         raw_logprobs = None
         if logprob_rows:
             index = torch.tensor(logprob_rows, device=logits.device)
-            raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
+            # A new tensor either way: the processors below change ``logits`` in place.
+            every_row = len(logprob_rows) == len(params)
+            raw_logprobs = torch.log_softmax(
+                logits if every_row else logits.index_select(0, index), dim=-1
+            )
         if state is not None and self.processors:
             apply_processors(self.processors, logits, state)
         if any(p.logits_processors for p in params):
