@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,6 +30,7 @@ from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
 from .scheduler_output import ScheduledRequest
+from .structured import GrammarCompiler, GrammarMatcher, allocate_bitmask, fill_bitmasks
 from .text import RequestText
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class EngineCore:
         """``tokenizer`` (optional) gives outputs their text and requests their stop
         strings (``SamplingParams.stop``)."""
         self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None  # built for the first grammar
         self._decode = (
             make_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
         )
@@ -180,7 +183,14 @@ class EngineCore:
                 f"request {request_id!r}: stop strings need a tokenizer "
                 "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
             )
+        grammar = None
+        if params.structured_output is not None:
+            try:
+                grammar = self._grammar_compiler().matcher(params.structured_output)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
         request = Request(request_id, prompt, params, next(self._arrivals))
+        request.grammar = grammar
         if self._decode is not None:
             request.text = RequestText(
                 prompt, self._decode, params.stop_strings, params.include_stop_str_in_output
@@ -192,6 +202,17 @@ class EngineCore:
             self._num_with_history += 1
         self.scheduler.add(request)
         return request_id
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured output needs a tokenizer "
+                    "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
+                )
+            eos = sorted(_model_eos_ids(self.model)) or None
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids=eos)
+        return self._grammars
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks come back at once. False if it is unknown or done."""
@@ -246,12 +267,13 @@ class EngineCore:
         if scheduled.is_empty:
             return self._settle_in_flight() if in_flight is not None else outputs
         batch = self.batch_builder.build(scheduled)
+        bitmask = self._grammar_bitmask(batch)
         pending = self.output_processor.advance(scheduled, self._requests)
         if not self.config.async_scheduling:
-            return self._settle(pending, self._forward(batch, None))
+            return self._settle(pending, self._forward(batch, None, bitmask))
         previous = in_flight.future if in_flight is not None else None
         release_thread_team()  # the worker's OpenMP team must be the only one (cbgen.openmp)
-        future = self._worker().submit(self._forward, batch, previous)
+        future = self._worker().submit(self._forward, batch, previous, bitmask)
         self._in_flight = _InFlight(pending, future)
         if in_flight is not None:
             outputs = self._settle(in_flight.pending, self._result(in_flight, self._in_flight))
@@ -284,8 +306,25 @@ class EngineCore:
                         self._retire(request, FinishReason.ERROR)
             raise exc
 
+    def _grammar_bitmask(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The allowed next tokens of the step's grammar rows, and those rows. Filled here,
+        from states the previous step settled (a grammar request reads its history)."""
+        if self._grammars is None:
+            return None
+        requests = self._requests
+        rows = [i for i, s in enumerate(batch.sampled) if requests[s.request_id].grammar]
+        if not rows:
+            return None
+        matchers = [requests[batch.sampled[i].request_id].grammar for i in rows]
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        fill_bitmasks(cast(list[GrammarMatcher], matchers), bitmask)
+        return bitmask, torch.tensor(rows, dtype=torch.long)
+
     def _forward(
-        self, batch: StepBatch, previous: futures.Future[SamplerOutput] | None
+        self,
+        batch: StepBatch,
+        previous: futures.Future[SamplerOutput] | None,
+        bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """The device half of a step: carried tokens in, forward pass, sampling, and the
         logprobs of the prompt tokens the step scores."""
@@ -306,7 +345,12 @@ class EngineCore:
             [s.history for s in sampled],
         )
         out = self.sampler(
-            logits[: len(sampled)], params, [s.generator for s in sampled], rows.histories, rows
+            logits[: len(sampled)],
+            params,
+            [s.generator for s in sampled],
+            rows.histories,
+            rows,
+            bitmask,
         )
         if batch.prompt_scores:
             out.prompt_logprobs = _score_prompts(batch.prompt_scores, logits[len(sampled) :])

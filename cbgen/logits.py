@@ -141,16 +141,16 @@ class RepetitionPenalty(BatchLogitsProcessor):
         return params.repetition_penalty != 1.0
 
     def apply(self, logits: torch.Tensor, rows: list[int], state: LogitsRows) -> None:
+        ids, _ = _padded_ids([state.history(row) for row in rows], logits.device)
         index = torch.tensor(rows, device=logits.device)
         values = logits.index_select(0, index)
-        seen = _token_counts(
-            [state.history(row) for row in rows], logits.shape[1], logits.device
-        ).bool()
+        seen = values.gather(1, ids)
         penalty = torch.tensor(
             [state.params[row].repetition_penalty for row in rows], device=logits.device
         ).unsqueeze(1)
-        penalized = torch.where(values < 0, values * penalty, values / penalty)
-        logits.index_copy_(0, index, torch.where(seen, penalized, values))
+        # A token seen twice is written twice with the same value.
+        values.scatter_(1, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+        logits.index_copy_(0, index, values)
 
 
 class PresenceFrequencyPenalty(BatchLogitsProcessor):
@@ -162,13 +162,18 @@ class PresenceFrequencyPenalty(BatchLogitsProcessor):
 
     def apply(self, logits: torch.Tensor, rows: list[int], state: LogitsRows) -> None:
         device = logits.device
-        index = torch.tensor(rows, device=device)
         outputs = [state.history(row)[state.num_prompt_tokens[row] :] for row in rows]
-        counts = _token_counts(outputs, logits.shape[1], device)
+        ids, real = _padded_ids(outputs, device)
+        index = torch.tensor(rows, device=device)
+        values = logits.index_select(0, index)
         presence = torch.tensor([state.params[r].presence_penalty for r in rows], device=device)
         frequency = torch.tensor([state.params[r].frequency_penalty for r in rows], device=device)
-        penalty = frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)
-        logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
+        # Presence once per distinct token (a repeated write of the same value), then
+        # frequency once per occurrence (an add per real entry, none for the padding).
+        present = values.gather(1, ids) - presence.unsqueeze(1) * real
+        values.scatter_(1, ids, present)
+        values.scatter_add_(1, ids, -frequency.unsqueeze(1) * real)
+        logits.index_copy_(0, index, values)
 
 
 def default_processors(model_eos_ids: Iterable[int]) -> list[BatchLogitsProcessor]:
@@ -193,17 +198,20 @@ def apply_processors(
             processor.apply(logits, rows, state)
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[len(token_lists), vocab]`` float32 occurrence counts, by one scatter-add over the
-    lists padded with an extra column that is dropped."""
-    width = max((len(tokens) for tokens in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    if width:
-        ids = torch.tensor(
-            [tokens + [vocab] * (width - len(tokens)) for tokens in token_lists], device=device
-        )
-        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
-    return counts[:, :vocab]
+def _padded_ids(
+    token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lists as one ``[rows, width]`` id tensor, each padded with its own first token
+    (0 for an empty list), and a float mask of the real entries: padding then only
+    repeats a write of a token already there (or writes an unchanged value)."""
+    width = max(1, max((len(tokens) for tokens in token_lists), default=0))
+    ids = torch.tensor(
+        [tokens + [tokens[0] if tokens else 0] * (width - len(tokens)) for tokens in token_lists],
+        device=device,
+    )
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    real = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    return ids, real
 
 
 def _put(

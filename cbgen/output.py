@@ -123,7 +123,10 @@ class OutputProcessor:
                 request.token_ids[position : position + 1] = new
                 for index, token in enumerate(new):
                     reason = self._finish_reason(request, token, position + index)
-                    if request.text is not None and request.text.push(token):
+                    if request.grammar is not None and not request.grammar.accept(token):
+                        error = f"token {token} is not allowed by the request's grammar"
+                        reason = FinishReason.ERROR
+                    elif request.text is not None and request.text.push(token):
                         reason = FinishReason.STOP  # a stop string ends here
                     if reason is not None:
                         del new[index + 1 :]

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .logprobs import TokenLogprobs
 from .sampling import SamplingParams
 from .text import RequestText
+
+if TYPE_CHECKING:
+    from .structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +76,7 @@ class Request:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     text: RequestText | None = None  # with a tokenizer: the text and stop strings
+    grammar: GrammarMatcher | None = None  # SamplingParams.structured_output's state
 
     def __post_init__(self) -> None:
         if not self.token_ids:

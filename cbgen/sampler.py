@@ -11,6 +11,7 @@ from .executor.greedy import torch_argmax
 from .logits import BatchLogitsProcessor, LogitsRows, apply_processors
 from .logprobs import TokenLogprobs, token_logprobs
 from .sampling import SamplingParams
+from .structured import apply_bitmask
 
 
 @dataclass
@@ -65,9 +66,12 @@ class Sampler:
         generators: list[torch.Generator | None],
         histories: Sequence[list[int] | None] | None = None,
         state: LogitsRows | None = None,
+        bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """``histories`` (each row's token ids so far) feed the rows' per-request logits
-        processors; ``state`` is what the batch processors read (needed when a row uses one)."""
+        processors; ``state`` is what the batch processors read (needed when a row uses one);
+        ``bitmask`` is the allowed tokens of the grammar rows and those rows' indices
+        (``cbgen.structured``), applied after every processor."""
         if logits.shape[0] == 0:
             return SamplerOutput([])
         errors: dict[int, str] = {}
@@ -75,11 +79,17 @@ class Sampler:
         raw_logprobs = None
         if logprob_rows:
             index = torch.tensor(logprob_rows, device=logits.device)
-            raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
+            # A new tensor either way: the processors below change ``logits`` in place.
+            every_row = len(logprob_rows) == len(params)
+            raw_logprobs = torch.log_softmax(
+                logits if every_row else logits.index_select(0, index), dim=-1
+            )
         if state is not None and self.processors:
             apply_processors(self.processors, logits, state)
         if any(p.logits_processors for p in params):
             errors = _apply_processors(logits, params, histories)
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask[0], bitmask[1])
         tokens = self._argmax(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         rows = selected = None

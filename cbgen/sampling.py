@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .structured import StructuredOutput
+
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: dividing logits by a smaller value overflows them
 to infinities (1e-40 made every row NaN and every token id 0), and the distribution is
@@ -53,6 +55,12 @@ class SamplingParams:
     computed, never read from the prefix cache). Both are taken from the model's raw
     logits, before any processor, penalty or temperature (vLLM's default).
 
+    ``structured_output`` (``cbgen.StructuredOutput``: a JSON schema, a regex, a grammar
+    or any JSON object) restricts every token to those the grammar allows (a token
+    bitmask applied to the batch's logits in one pass, after the penalties); the model's
+    EOS is allowed once the output is complete. It needs a tokenizer. An output the
+    grammar cannot finish within ``max_new_tokens`` ends with ``"length"``.
+
     ``n`` asks ``generate_batch`` for that many samples of the prompt (they share
     its cached prefix blocks; sample ``i`` is seeded with ``seed + i``); it is
     meant with ``temperature > 0``, since greedy samples are all the same.
@@ -86,6 +94,7 @@ class SamplingParams:
     bad_words: Sequence[Sequence[int]] = field(default_factory=tuple)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
     n: int = 1
     priority: int = 0
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
@@ -113,7 +122,9 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Whether sampling reads the request's tokens so far (so its last token must be
         known before its next step is planned, and proposals are not verified for it)."""
-        return bool(self.logits_processors) or self.has_penalties
+        return (
+            bool(self.logits_processors) or self.has_penalties or self.structured_output is not None
+        )
 
     def validate(self) -> None:
         """Raise ``ValueError`` describing the first invalid setting."""
@@ -161,6 +172,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, minimum=0, hint=" (None = off)")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError(
+                    "structured_output must be a cbgen.StructuredOutput, got "
+                    f"{type(self.structured_output).__name__}"
+                )
+            self.structured_output.validate()
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
