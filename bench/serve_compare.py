@@ -75,7 +75,8 @@ def _server_command(system: str, args: argparse.Namespace, folder: Path) -> tupl
     env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpus  # "0,1": its OpenMP threads on our cores
     env["HF_HUB_OFFLINE"] = "1"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gib)
-    cmd = [str(VLLM_PY), str(VLLM_CLI), "serve", str(folder), "--served-model-name", "smollm2"]
+    cmd = [str(args.vllm_python), str(VLLM_CLI), "serve", str(folder)]
+    cmd += ["--served-model-name", "smollm2"]
     cmd += ["--port", str(args.port), "--dtype", "float32", "--max-model-len", "2048"]
     cmd += ["--max-num-seqs", "128", "--max-num-batched-tokens", "512"]
     cmd += ["--uvicorn-log-level", "warning", "--disable-log-stats"]

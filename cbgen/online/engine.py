@@ -84,6 +84,10 @@ class Engine:
         if stream_timeout is not None and not stream_timeout > 0:
             raise ValueError(f"stream_timeout must be positive or None, got {stream_timeout}")
         self.core = EngineCore(model, config)
+        # The core's grammars (structured output) need the tokenizer; its text does not:
+        # this layer detokenizes and matches stop strings itself (per-request options),
+        # so the core is not given a decoder (that would detokenize every token twice).
+        self.core.tokenizer = tokenizer
         self.config = self.core.config
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens  # the default of add_request

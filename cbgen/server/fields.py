@@ -11,11 +11,10 @@ naming the field; the rest (token ids inside the vocabulary, ``min_tokens`` with
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
-from ..sampling import SamplingParams
+from ..structured import StructuredOutput
 from .protocol import APIError
 
 MAX_LOGPROBS = 20
@@ -146,22 +145,11 @@ def structured_spec(req: Any) -> tuple[str, dict[str, Any]] | None:
 
 def structured_output(req: Any) -> dict[str, Any]:
     """The ``SamplingParams(structured_output=...)`` keyword of a call (empty without
-    one); 400 naming the field when the constraint is invalid, or when this build's
-    ``SamplingParams`` cannot take one."""
+    one); 400 naming the field when the constraint is invalid."""
     asked = structured_spec(req)
     if asked is None:
         return {}
     name, spec = asked
-    if not any(f.name == "structured_output" for f in dataclasses.fields(SamplingParams)):
-        raise APIError(
-            400,
-            f"unsupported parameter: {name} (structured output is not available in this "
-            "build of cbgen)",
-            param=name,
-            code="unsupported_parameter",
-        )
-    from ..structured import StructuredOutput
-
     constraint = StructuredOutput(**spec)
     try:
         constraint.validate()
