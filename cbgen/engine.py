@@ -51,14 +51,19 @@ class EngineCore:
         tokenizer: Any = None,
         *,
         skip_special_tokens: bool = True,
+        detokenize: bool = True,
     ) -> None:
-        """``tokenizer`` (optional) gives outputs their text and requests their stop
-        strings (``SamplingParams.stop``)."""
+        """``tokenizer`` (optional) compiles grammars (``SamplingParams.structured_output``)
+        and, with ``detokenize``, gives outputs their text and requests their stop
+        strings (``SamplingParams.stop``). The online engine detokenizes on its own and
+        passes ``detokenize=False``."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None  # built for the first grammar
         self._decode = (
-            make_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
+            make_decoder(tokenizer, skip_special_tokens)
+            if tokenizer is not None and detokenize
+            else None
         )
         model.eval()
         self.model = model
