@@ -55,8 +55,8 @@ class EngineCore:
     ) -> None:
         """``tokenizer`` (optional) compiles grammars (``SamplingParams.structured_output``)
         and, with ``detokenize``, gives outputs their text and requests their stop
-        strings (``SamplingParams.stop``). The online engine detokenizes on its own and
-        passes ``detokenize=False``."""
+        strings (``SamplingParams.stop``). The online engine detokenizes and matches stop
+        strings on its own and passes ``detokenize=False``."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None  # built for the first grammar
@@ -182,7 +182,7 @@ class EngineCore:
             one_sample="need cbgen.generate_batch; EngineCore.add_request runs one sample "
             "(add one request per sample)",
         )
-        if params.stop and self._decode is None:
+        if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"request {request_id!r}: stop strings need a tokenizer "
                 "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
