@@ -10,11 +10,13 @@ import argparse
 import logging
 import sys
 import time
+from typing import Any
 
 from .config import EngineConfig
 from .generate import generate_batch
 from .precision_args import add_precision_arguments, load_model_for
 from .sampling import SamplingParams
+from .structured import StructuredOutput
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--logprobs", type=int, help="print each token's logprob and the top N")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", help="a JSON schema file the output must match")
+    structured.add_argument("--regex", help="a regular expression the output must match")
+    structured.add_argument("--json-object", action="store_true", help="output any JSON object")
     add_precision_arguments(gen)
     gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     gen.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
@@ -78,8 +90,15 @@ def generate_command(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        stop=args.stop,
+        logprobs=args.logprobs,
+        structured_output=_structured_output(args),
     )
     config = EngineConfig(
         block_size=args.block_size,
@@ -88,14 +107,22 @@ def generate_command(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     started = time.perf_counter()
-    outputs = generate_batch(model, token_ids, params, config, progress=args.progress)
+    try:
+        outputs = generate_batch(
+            model, token_ids, params, config, tokenizer=tokenizer, progress=args.progress
+        )
+    except ValueError as exc:
+        print(f"cbgen generate: {exc}", file=sys.stderr)
+        return 2
     wall = time.perf_counter() - started
     if not args.quiet:
         for prompt, output in zip(prompts, outputs, strict=True):
-            text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            text = output.text or ""
             print(
                 f"### {prompt}\n{text.strip()}\n[{output.finish_reason}, {len(output.token_ids)} tokens]\n"
             )
+            if output.logprobs is not None:
+                _print_logprobs(tokenizer, output.token_ids, output.logprobs)
     prompt_tokens = sum(len(t) for t in token_ids)
     output_tokens = sum(len(o.token_ids) for o in outputs)
     print(
@@ -103,6 +130,24 @@ def generate_command(args: argparse.Namespace) -> int:
         f"output {output_tokens} tok ({output_tokens / wall:.1f} tok/s) | wall {wall:.2f} s"
     )
     return 0
+
+
+def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            return StructuredOutput(json_schema=f.read())
+    if args.regex:
+        return StructuredOutput(regex=args.regex)
+    if args.json_object:
+        return StructuredOutput(json_object=True)
+    return None
+
+
+def _print_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]]) -> None:
+    for token, entry in zip(token_ids, logprobs, strict=True):
+        top = ", ".join(f"{tokenizer.decode([t])!r} {v:.3f}" for t, v in entry.items())
+        print(f"  {tokenizer.decode([token])!r:>16} {entry[token]:8.3f} | {top}")
+    print()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -21,16 +21,15 @@ from .config import EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import make_decoder
 from .executor.runner import Executor
 from .input_processor import InputProcessor
-from .logits import LogitsRows, default_processors
-from .logprobs import TokenLogprobs, target_logprobs
+from .logits import default_processors
 from .openmp import release_thread_team
 from .output import OutputProcessor, PendingSamples
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
-from .scheduler_output import ScheduledRequest
-from .structured import GrammarCompiler, GrammarMatcher, allocate_bitmask, fill_bitmasks
+from .step_sampling import grammar_bitmask, sample_step
+from .structured import GrammarCompiler
 from .text import RequestText
 
 logger = logging.getLogger(__name__)
@@ -52,14 +51,19 @@ class EngineCore:
         tokenizer: Any = None,
         *,
         skip_special_tokens: bool = True,
+        detokenize: bool = True,
     ) -> None:
-        """``tokenizer`` (optional) gives outputs their text and requests their stop
-        strings (``SamplingParams.stop``)."""
+        """``tokenizer`` (optional) compiles grammars (``SamplingParams.structured_output``)
+        and, with ``detokenize``, gives outputs their text and requests their stop
+        strings (``SamplingParams.stop``). The online engine detokenizes and matches stop
+        strings on its own and passes ``detokenize=False``."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None  # built for the first grammar
         self._decode = (
-            make_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
+            make_decoder(tokenizer, skip_special_tokens)
+            if tokenizer is not None and detokenize
+            else None
         )
         model.eval()
         self.model = model
@@ -178,7 +182,7 @@ class EngineCore:
             one_sample="need cbgen.generate_batch; EngineCore.add_request runs one sample "
             "(add one request per sample)",
         )
-        if params.stop and self._decode is None:
+        if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"request {request_id!r}: stop strings need a tokenizer "
                 "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
@@ -267,7 +271,9 @@ class EngineCore:
         if scheduled.is_empty:
             return self._settle_in_flight() if in_flight is not None else outputs
         batch = self.batch_builder.build(scheduled)
-        bitmask = self._grammar_bitmask(batch)
+        bitmask = None
+        if self._grammars is not None:
+            bitmask = grammar_bitmask(batch.sampled, self._requests, self.vocab_size)
         pending = self.output_processor.advance(scheduled, self._requests)
         if not self.config.async_scheduling:
             return self._settle(pending, self._forward(batch, None, bitmask))
@@ -306,20 +312,6 @@ class EngineCore:
                         self._retire(request, FinishReason.ERROR)
             raise exc
 
-    def _grammar_bitmask(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The allowed next tokens of the step's grammar rows, and those rows. Filled here,
-        from states the previous step settled (a grammar request reads its history)."""
-        if self._grammars is None:
-            return None
-        requests = self._requests
-        rows = [i for i, s in enumerate(batch.sampled) if requests[s.request_id].grammar]
-        if not rows:
-            return None
-        matchers = [requests[batch.sampled[i].request_id].grammar for i in rows]
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        fill_bitmasks(cast(list[GrammarMatcher], matchers), bitmask)
-        return bitmask, torch.tensor(rows, dtype=torch.long)
-
     def _forward(
         self,
         batch: StepBatch,
@@ -335,26 +327,7 @@ class EngineCore:
             batch.input_ids[0].index_copy_(
                 0, batch.carry_rows, tokens.index_select(0, batch.carry_sources)
             )
-        logits = self.runner.execute(batch)
-        sampled = batch.sampled
-        params = [s.params for s in sampled]
-        rows = LogitsRows(
-            params,
-            [s.num_prompt_tokens for s in sampled],
-            [p - s.num_prompt_tokens for p, s in zip(batch.sample_positions, sampled, strict=True)],
-            [s.history for s in sampled],
-        )
-        out = self.sampler(
-            logits[: len(sampled)],
-            params,
-            [s.generator for s in sampled],
-            rows.histories,
-            rows,
-            bitmask,
-        )
-        if batch.prompt_scores:
-            out.prompt_logprobs = _score_prompts(batch.prompt_scores, logits[len(sampled) :])
-        return out
+        return sample_step(self.sampler, batch, self.runner.execute(batch), bitmask)
 
     def _settle(self, pending: PendingSamples, sampled: SamplerOutput) -> list[RequestOutput]:
         outputs, finished = self.output_processor.resolve(
@@ -418,22 +391,6 @@ class _InFlight:
 
     pending: PendingSamples
     future: futures.Future[SamplerOutput]
-
-
-def _score_prompts(
-    chunks: list[ScheduledRequest], logits: torch.Tensor
-) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-    """The logprobs of the prompt tokens each chunk scores, from their rows' logits."""
-    targets = [token for chunk in chunks for token in chunk.prompt_targets]
-    counts = [chunk.params.prompt_logprobs or 0 for chunk in chunks for _ in chunk.prompt_targets]
-    index = torch.tensor(targets, dtype=torch.long, device=logits.device)
-    entries = target_logprobs(logits, index, counts)
-    scored, start = {}, 0
-    for chunk in chunks:
-        end = start + len(chunk.prompt_targets)
-        scored[chunk.request_id] = (chunk.prompt_start, entries[start:end])
-        start = end
-    return scored
 
 
 def _model_context_limit(model: torch.nn.Module) -> int | None:

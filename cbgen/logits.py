@@ -168,10 +168,11 @@ class PresenceFrequencyPenalty(BatchLogitsProcessor):
         values = logits.index_select(0, index)
         presence = torch.tensor([state.params[r].presence_penalty for r in rows], device=device)
         frequency = torch.tensor([state.params[r].frequency_penalty for r in rows], device=device)
-        # Presence once per distinct token (a repeated write of the same value), then
-        # frequency once per occurrence (an add per real entry, none for the padding).
-        present = values.gather(1, ids) - presence.unsqueeze(1) * real
-        values.scatter_(1, ids, present)
+        # Presence once per distinct token (padding repeats a real token, so every write
+        # to a token carries the same value; a row without output writes its own
+        # values back), then frequency once per occurrence (no add for the padding).
+        any_output = real[:, :1]
+        values.scatter_(1, ids, values.gather(1, ids) - presence.unsqueeze(1) * any_output)
         values.scatter_add_(1, ids, -frequency.unsqueeze(1) * real)
         logits.index_copy_(0, index, values)
 
@@ -202,8 +203,8 @@ def _padded_ids(
     token_lists: list[list[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The lists as one ``[rows, width]`` id tensor, each padded with its own first token
-    (0 for an empty list), and a float mask of the real entries: padding then only
-    repeats a write of a token already there (or writes an unchanged value)."""
+    (0 for an empty list), and a float mask of the real entries: a scatter then writes
+    a padded slot's token the same value as its real slot."""
     width = max(1, max((len(tokens) for tokens in token_lists), default=0))
     ids = torch.tensor(
         [tokens + [tokens[0] if tokens else 0] * (width - len(tokens)) for tokens in token_lists],

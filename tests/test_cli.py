@@ -38,3 +38,18 @@ def test_generate_with_quantization(smollm2, capsys):
     )
     assert code == 0
     assert "### Say hi." in capsys.readouterr().out
+
+
+def test_generate_with_a_regex_logprobs_and_penalties(smollm2, capsys):
+    args = ["generate", "--prompt", "Is the sea blue?", "--max-new-tokens", "12"]
+    args += ["--regex", "(Yes|No), [a-z]+\\.", "--logprobs", "1", "--repetition-penalty", "1.2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    answer = out.split("\n")[1]
+    assert re.fullmatch(r"(Yes|No), [a-z]+\.", answer), out
+    assert "[eos," in out and re.search(r"'(Yes|No)'\s+-?\d+\.\d{3} \|", out)
+
+
+def test_generate_refuses_a_bad_regex_cleanly(smollm2, capsys):
+    assert main(["generate", "--prompt", "Hi", "--regex", "("]) == 2
+    assert "invalid regex" in capsys.readouterr().err
