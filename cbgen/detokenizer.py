@@ -141,16 +141,20 @@ class StopStringMatcher:
     ``safe`` is the text that can be shown now, and ``matched`` tells that a stop
     string was found (``safe`` then ends right before it and the stream is over).
     Text that might be the start of a stop string is held back until the next
-    piece decides; ``final=True`` releases it.
+    piece decides; ``final=True`` releases it. With ``include_stop`` the text on a
+    match ends right after the stop string instead (``include_stop_str_in_output``).
+    After a match every ``feed`` returns ``("", True)``. The engine core
+    (``cbgen.text``) and the online engine (``cbgen.online.text``) both cut here.
     """
 
-    __slots__ = ("stops", "matched", "_pending")
+    __slots__ = ("stops", "matched", "include_stop", "_pending")
 
-    def __init__(self, stops: Iterable[str]) -> None:
+    def __init__(self, stops: Iterable[str], include_stop: bool = False) -> None:
         self.stops = tuple(stops)
         if not self.stops or not all(isinstance(s, str) and s for s in self.stops):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stops!r}")
         self.matched: str | None = None
+        self.include_stop = include_stop
         self._pending = ""
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, bool]:
@@ -166,7 +170,8 @@ class StopStringMatcher:
                 cut, self.matched = at, stop
         if cut != -1:
             self._pending = ""
-            return pending[:cut], True
+            end = cut + len(self.matched) if self.include_stop and self.matched else cut
+            return pending[:end], True
         hold = 0 if final else self._partial_match(pending)
         self._pending = pending[len(pending) - hold :] if hold else ""
         return (pending[: len(pending) - hold] if hold else pending), False

@@ -18,7 +18,7 @@ class RequestText:
     string (after it with ``include_stop``).
     """
 
-    __slots__ = ("_detok", "_stops", "_include_stop", "text", "_taken", "done")
+    __slots__ = ("_detok", "_stops", "text", "_taken", "done")
 
     def __init__(
         self,
@@ -28,8 +28,7 @@ class RequestText:
         include_stop: bool = False,
     ) -> None:
         self._detok = IncrementalDetokenizer(None, prompt_token_ids, decode=decode)
-        self._stops = StopStringMatcher(stops) if stops else None
-        self._include_stop = include_stop
+        self._stops = StopStringMatcher(stops, include_stop) if stops else None
         self.text = ""
         self._taken = 0
         self.done = False
@@ -59,8 +58,5 @@ class RequestText:
             return False
         safe, matched = self._stops.feed(piece, final=final)
         self.text += safe
-        if matched:
-            if self._include_stop and self._stops.matched is not None:
-                self.text += self._stops.matched
-            self.done = True
+        self.done = matched
         return matched

@@ -89,7 +89,7 @@ def test_stop_matcher_reads_the_request_argument(tokenizer):
 def test_include_stop_keeps_the_stop_string_once(tokenizer, ids):
     stop = "jumps"
     processor = TextProcessor(
-        [1, 2, 3], make_decoder(tokenizer), stop_matcher("r", stop, tokenizer), include_stop=True
+        [1, 2, 3], make_decoder(tokenizer), stop_matcher("r", stop, tokenizer, include_stop=True)
     )
     pieces = []
     for token in ids:

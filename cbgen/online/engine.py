@@ -83,11 +83,10 @@ class Engine:
             raise ValueError(f"max_unread_tokens must be >= 1, got {max_unread_tokens}")
         if stream_timeout is not None and not stream_timeout > 0:
             raise ValueError(f"stream_timeout must be positive or None, got {stream_timeout}")
-        self.core = EngineCore(model, config)
         # The core's grammars (structured output) need the tokenizer; its text does not:
         # this layer detokenizes and matches stop strings itself (per-request options),
-        # so the core is not given a decoder (that would detokenize every token twice).
-        self.core.tokenizer = tokenizer
+        # which would otherwise be done twice for every token.
+        self.core = EngineCore(model, config, tokenizer, detokenize=False)
         self.config = self.core.config
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens  # the default of add_request
@@ -171,16 +170,14 @@ class Engine:
         if params.stop:  # matched here, on the text, like the ``stop`` argument
             stop = params.stop_strings + ([] if stop is None else _as_list(stop))
             params = dataclasses.replace(params, stop=None)
-        stops = stop_matcher(rid, stop, self.tokenizer)
+        stops = stop_matcher(rid, stop, self.tokenizer, params.include_stop_str_in_output)
         prompt_ids = self._validate(rid, prompt, params)
         deadline = None if timeout is None else time.monotonic() + timeout
         request = RequestRecord(rid, prompt_ids, params, deadline)
         if self._decoders is not None:
             skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
             options = TextOptions(bool(skip), bool(spaces_between_special_tokens))
-            request.text_processor = self._decoders.processor(
-                prompt_ids, options, stops, params.include_stop_str_in_output
-            )
+            request.text_processor = self._decoders.processor(prompt_ids, options, stops)
             request.pieces = []
         with self._lock:
             rid = self._results.add_locked(request, self._next_id if auto_id else None)

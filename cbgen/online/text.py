@@ -3,9 +3,9 @@ stop strings.
 
 With a tokenizer, every request gets a ``TextProcessor``: its token ids become text
 deltas (``cbgen.detokenizer.IncrementalDetokenizer``) and, when the request lists stop
-strings, the text is cut right before the first one (``StopStringMatcher``; right after
-it with ``include_stop``); the engine then finishes the request with ``"stop"`` and
-aborts it in the core.
+strings, the text is cut right before the first one (``StopStringMatcher``, the same
+cut as the core's ``cbgen.text``; right after it with ``include_stop``); the engine then
+finishes the request with ``"stop"`` and aborts it in the core.
 
 How special tokens are written is a per-request choice, as in vLLM: ``TextOptions``
 (``skip_special_tokens``, ``spaces_between_special_tokens``). The decoders are cached
@@ -35,11 +35,11 @@ class TextOptions:
 
 
 def stop_matcher(
-    request_id: str, stop: Sequence[str] | str | None, tokenizer: Any
+    request_id: str, stop: Sequence[str] | str | None, tokenizer: Any, include_stop: bool = False
 ) -> StopStringMatcher | None:
     """The matcher for a request's ``stop`` argument (``None`` when it lists none);
     ``ValueError`` naming the request when the strings are invalid or there is no
-    tokenizer to match them on."""
+    tokenizer to match them on. ``include_stop``: the text keeps the stop string."""
     if stop is None:
         return None
     stops = [stop] if isinstance(stop, str) else list(stop)
@@ -48,7 +48,7 @@ def stop_matcher(
     if tokenizer is None:
         raise ValueError(f"request {request_id!r}: stop strings need a tokenizer")
     try:
-        return StopStringMatcher(stops)
+        return StopStringMatcher(stops, include_stop)
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from None
 
@@ -81,14 +81,12 @@ class Decoders:
         prompt_ids: list[int],
         options: TextOptions,
         stops: StopStringMatcher | None = None,
-        include_stop: bool = False,
     ) -> TextProcessor:
         bare = not options.skip_special_tokens and not options.spaces_between_special_tokens
         return TextProcessor(
             prompt_ids,
             self.decoder(options.skip_special_tokens),
             stops,
-            include_stop=include_stop,
             special_tokens=self.added_tokens() if bare else None,
         )
 
@@ -99,7 +97,7 @@ class TextProcessor:
     ``special_tokens`` (id -> content): write a special token that follows another
     as its bare content (``spaces_between_special_tokens=False``)."""
 
-    __slots__ = ("detok", "stops", "include_stop", "special_tokens", "last_special", "stopped")
+    __slots__ = ("detok", "stops", "special_tokens", "last_special")
 
     def __init__(
         self,
@@ -107,15 +105,12 @@ class TextProcessor:
         decode: Callable[[list[int]], str],
         stops: StopStringMatcher | None = None,
         *,
-        include_stop: bool = False,
         special_tokens: dict[int, str] | None = None,
     ) -> None:
         self.detok = IncrementalDetokenizer(None, prompt_ids, decode=decode)
         self.stops = stops
-        self.include_stop = include_stop
         self.special_tokens = special_tokens or None
         self.last_special = False
-        self.stopped = False
 
     def push(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
         """The text ``token_ids`` add (and what was held back, once ``finished``), and
@@ -146,11 +141,4 @@ class TextProcessor:
     def _cut(self, text: str, final: bool) -> tuple[str, bool]:
         if self.stops is None:
             return text, False
-        if self.stopped:
-            return "", True
-        safe, matched = self.stops.feed(text, final=final)
-        if matched:
-            self.stopped = True
-            if self.include_stop and self.stops.matched is not None:
-                safe += self.stops.matched
-        return safe, matched
+        return self.stops.feed(text, final=final)
