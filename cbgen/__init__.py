@@ -7,6 +7,7 @@ from .models import load_model
 from .online import Engine, EngineClosedError, EngineOverloadedError
 from .request import Completion, FinishReason, RequestOutput
 from .sampling import SamplingParams
+from .speculative import SpeculativeConfig
 from .structured import StructuredOutput
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FinishReason",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "StructuredOutput",
     "generate_batch",
     "load_model",

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .speculative import SpeculativeConfig
+
 SCHEDULER_POLICIES = ("fifo", "prefill_first")
 PREEMPTION_MODES = ("recompute", "swap")
 ADMISSION_MODES = ("eager", "full_length")
@@ -73,6 +75,11 @@ class EngineConfig:
     ``EngineOverloadedError`` (the server answers 429). ``None`` is no bound; a single
     request longer than ``max_queued_tokens`` is still taken when nothing waits.
     ``generate_batch`` adds every prompt up front and ignores them.
+
+    ``speculative`` (a ``cbgen.SpeculativeConfig``) turns speculative decoding on: each
+    step a proposer guesses up to k next tokens per decoding request and the same forward
+    pass verifies them; output is unchanged (greedy: token-identical; sampled: the same
+    distribution), only the number of steps drops when guesses are right. ``None``: off.
     """
 
     block_size: int = 16
@@ -94,9 +101,15 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     max_queued_tokens: int | None = None
     kv_cache_dtype: torch.dtype | str | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(
+                "speculative must be a cbgen.SpeculativeConfig or None, "
+                f"got {type(self.speculative).__name__}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

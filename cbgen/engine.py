@@ -28,6 +28,7 @@ from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
+from .speculative import make_proposer
 from .step_sampling import grammar_bitmask, sample_step
 from .structured import GrammarCompiler
 from .text import RequestText
@@ -123,7 +124,8 @@ class EngineCore:
             swap_blocks=self.swap_space.num_blocks if self.swap_space is not None else 0,
             admission=config.admission,
         )
-        self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions
+        self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions, spec_*
+        self.proposer = make_proposer(config.speculative)  # None: no speculation
         self.batch_builder = BatchBuilder(
             self.cache,
             self.runner.probe.layer_of_module,
@@ -263,6 +265,8 @@ class EngineCore:
             # Processors and penalties read every token so far: settle before planning.
             outputs = self._settle_in_flight()
             in_flight = None
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.swap_out or scheduled.swap_in:
             if in_flight is not None:  # the copies read K/V the step in flight writes
@@ -335,6 +339,7 @@ class EngineCore:
         )
         for request, reason in finished:
             self._retire(request, reason)
+        self.stats.update(self.output_processor.speculation.stats())
         return outputs
 
     def _worker(self) -> futures.ThreadPoolExecutor:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from .logprobs import TokenLogprobs
 from .request import FinishReason, Request, RequestOutput
 from .scheduler_output import SchedulerOutput
+from .speculative import SpeculationCounts
 
 PLACEHOLDER_TOKEN = 0
 """Stands in for a token still being sampled (async scheduling): the next step's input
@@ -56,6 +57,7 @@ class OutputProcessor:
     def __init__(self, model_eos_ids: set[int], max_model_len: int) -> None:
         self.model_eos_ids = model_eos_ids
         self.max_model_len = max_model_len
+        self.speculation = SpeculationCounts()  # verified proposals, for EngineCore.stats
 
     def advance(
         self, scheduled: SchedulerOutput, requests: Mapping[str, Request]
@@ -120,6 +122,7 @@ class OutputProcessor:
                 end = position
             else:
                 new = _accepted(sampled_tokens[row : row + 1 + len(drafts)], drafts)
+                self.speculation.add(len(drafts), len(new) - 1)
                 request.token_ids[position : position + 1] = new
                 for index, token in enumerate(new):
                     reason = self._finish_reason(request, token, position + index)

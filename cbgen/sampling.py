@@ -73,6 +73,10 @@ class SamplingParams:
     ``LogitsProcessor``); they are the slow path, one Python call per row and step.
     One that raises, or returns a tensor of another shape, finishes only its own
     request, with finish reason ``"error"`` and the message.
+
+    ``speculative=False`` opts the request out of speculative decoding when the engine
+    has it on (``EngineConfig.speculative``): no tokens are proposed for it. Output is the
+    same either way; the opt-out saves the verification compute where proposals miss.
     """
 
     max_new_tokens: int = 128
@@ -98,6 +102,7 @@ class SamplingParams:
     n: int = 1
     priority: int = 0
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -138,6 +143,8 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_RANGE):
             raise ValueError(f"seed must be an int in [0, 2**64) or None, got {self.seed!r}")
         _check_int("n", self.n, minimum=1)
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         _check_int("priority", self.priority, hint=" (lower runs first)")
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_new_tokens:

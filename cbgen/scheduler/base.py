@@ -123,7 +123,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # sorted by (priority, arrival)
-        self.stats: dict[str, int] = {
+        self.stats: dict[str, float] = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "cached_tokens": 0,
@@ -175,19 +175,29 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.kv.release_host(request)
-        self._discard_rejected(request)
+        self._discard_rejected(request, leaving=True)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free_swapped_in()  # the step that read them is over
 
-    def _discard_rejected(self, request: Request) -> None:
+    def _discard_rejected(self, request: Request, leaving: bool = False) -> None:
         """Forget the K/V of rejected proposals: computed positions past the request's
         last known token held tokens the output processor did not accept (the accepted
         ones and the token after them are its last tokens now). Their blocks go back and
-        nothing of them is registered in the prefix cache."""
-        last = request.num_tokens - 1
-        if request.num_computed_tokens > last and request.pending_index is None:
+        nothing of them is registered in the prefix cache.
+
+        While a step that verifies proposals is in flight (async scheduling) which of them
+        hold is not known yet; a request ``leaving`` its blocks then (finished, preempted)
+        keeps only the positions before the pending token, so no proposal is cached or
+        swapped out."""
+        if request.pending_index is None:
+            last = request.num_tokens - 1
+        elif leaving:
+            last = request.pending_index
+        else:
+            return
+        if request.num_computed_tokens > last:
             request.num_computed_tokens = max(last, 0)
             self.kv.rollback(request, request.num_computed_tokens)
 
@@ -394,6 +404,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput, allow_swap: bool = True) -> None:
         self.running.remove(request)
+        self._discard_rejected(request, leaving=True)
         move = self.kv.swap_out(request) if allow_swap else None
         self.kv.free(request)
         request.num_preemptions += 1

@@ -1,0 +1,220 @@
+"""Speculative decoding with prompt lookup (``cbgen.speculative``): exact whatever is
+proposed, and rejections leave no trace in the cache.
+
+Prompts repeat themselves (a text, the model's own continuation of it, the text again),
+so the n-gram proposer finds matches: some of its guesses are the target's tokens, most
+are not, which exercises acceptance and rollback both.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ARCHITECTURES, make_tiny_model, random_prompts, reference_greedy
+
+from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
+from cbgen.request import Request
+from cbgen.speculative import NgramProposer
+
+MAX_NEW = 24
+
+
+def _echo_prompts(model, count: int, seed: int) -> list[list[int]]:
+    """``x + greedy(x) + x``: where the prompt ends, x's own continuation is on record."""
+    prompts = []
+    for x in random_prompts(count, 4, 10, seed=seed):
+        prompts.append(x + reference_greedy(model, x, 8) + x)
+    return prompts
+
+
+def _run(model, prompts, config, params=None, proposer=None):
+    """Every request's final output, and the engine's stats; checks the allocator."""
+    params = params or SamplingParams(max_new_tokens=MAX_NEW)
+    results = {}
+    with EngineCore(model, config) as engine:
+        if proposer is not None:
+            engine.proposer = proposer
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, str(i))
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+        engine.allocator.check_invariants()
+        stats = dict(engine.stats)
+    return [results[str(i)] for i in range(len(prompts))], stats
+
+
+def _spec(**overrides) -> EngineConfig:
+    base = dict(block_size=4, num_blocks=128, max_batch_tokens=64)
+    base.update(overrides)
+    return EngineConfig(speculative=SpeculativeConfig(num_tokens=4), **base)
+
+
+def _eager() -> NgramProposer:
+    """Matches on a single token: many proposals, many of them wrong."""
+    return NgramProposer(4, min_ngram=1, max_ngram=3)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_output_matches_generate_with_ngram_speculation(arch):
+    model = make_tiny_model(arch)
+    prompts = _echo_prompts(model, 3, seed=7)
+    outputs, stats = _run(model, prompts, _spec(), proposer=_eager())
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
+    proposed, accepted = stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]
+    assert proposed > accepted, stats  # rejections (acceptances: the tests below)
+    assert stats["spec_mean_accepted_length"] == 1 + accepted / stats["spec_verifications"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(max_batch_tokens=8),  # chunked prefill
+        dict(num_blocks=20, max_batch_tokens=24),  # preemption, recomputed
+        dict(num_blocks=20, max_batch_tokens=24, preemption_mode="swap"),
+        dict(enable_prefix_caching=False),
+    ],
+    ids=["chunked", "recompute", "swap", "no-prefix-cache"],
+)
+@pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
+def test_exact_under_chunking_preemption_and_caching(arch, overrides):
+    model = make_tiny_model(arch)
+    prompts = _echo_prompts(model, 5, seed=11)
+    outputs, stats = _run(model, prompts, _spec(**overrides), proposer=_eager())
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
+    assert stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"]
+    if arch == "llama":
+        assert stats["spec_accepted_tokens"] > 0, stats
+    if "num_blocks" in overrides:
+        assert stats["preemptions"] > 0, "the cache was meant to be too small"
+
+
+def test_rejected_tokens_never_reach_the_prefix_cache():
+    model = make_tiny_model("llama")
+    prompts = _echo_prompts(model, 4, seed=13)
+    config = _spec(num_blocks=64)
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts]
+    with EngineCore(model, config) as engine:
+        engine.proposer = _eager()
+        params = SamplingParams(max_new_tokens=MAX_NEW)
+        first = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, str(i))
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    first[out.request_id] = out.token_ids
+        rejected = engine.stats["spec_proposed_tokens"] - engine.stats["spec_accepted_tokens"]
+        assert rejected > 0
+        assert engine.allocator.num_free == config.num_blocks
+        # Every cached block holds accepted tokens: a request made of a whole finished
+        # sequence finds each of its full blocks, and its output is still exact.
+        again = {}
+        for i, p in enumerate(prompts):
+            sequence = p + first[str(i)]
+            probe = Request("probe", sequence, params, 0)
+            assert len(engine.scheduler.kv.cached_prefix(probe)) == (len(sequence) - 1) // 4
+            engine.add_request(sequence, params, f"again{i}")
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    again[out.request_id] = out
+        assert engine.allocator.num_free == config.num_blocks
+    for i, p in enumerate(prompts):
+        assert first[str(i)] == expected[i]
+        out = again[f"again{i}"]
+        assert out.num_cached_tokens > 0
+        assert out.token_ids == reference_greedy(model, p + expected[i], MAX_NEW)
+
+
+def test_a_request_can_opt_out():
+    model = make_tiny_model("llama")
+    prompts = _echo_prompts(model, 3, seed=7)
+    params = SamplingParams(max_new_tokens=MAX_NEW, speculative=False)
+    outputs, stats = _run(model, prompts, _spec(), params, proposer=_eager())
+    assert stats["spec_proposed_tokens"] == 0 and stats["spec_verifications"] == 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
+
+
+def test_logprobs_are_the_same_with_speculation():
+    model = make_tiny_model("qwen2")
+    prompts = _echo_prompts(model, 3, seed=7)
+    params = SamplingParams(max_new_tokens=MAX_NEW, logprobs=2)
+    plain, _ = _run(model, prompts, EngineConfig(block_size=4, num_blocks=128), params)
+    spec, stats = _run(model, prompts, _spec(), params, proposer=_eager())
+    assert stats["spec_accepted_tokens"] > 0
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys()
+            for token in x:
+                assert x[token] == pytest.approx(y[token], abs=1e-4)
+
+
+@pytest.mark.slow  # 400 seeded requests twice: ~12 s on 2 cores
+def test_sampling_keeps_the_target_distribution():
+    """A proposal is kept only where it equals the token the target samples there, so the
+    tokens a sampled request gets have plain decoding's distribution (not its exact draws:
+    rejected rows use random numbers too). On a model of 8 tokens, where single-token
+    lookup proposes often and is often wrong, the third output token's counts over many
+    seeds with and without speculation pass a chi-square test of homogeneity at 0.1%."""
+    chi2_contingency = pytest.importorskip("scipy.stats").chi2_contingency
+    vocab = 8
+    model = make_tiny_model("llama", vocab_size=vocab, pad_token_id=0, bos_token_id=1)
+    prompt = [3, 4, 5, 3, 4, 6, 3, 4]
+    samples = 400
+    counts = []
+    for speculate in (False, True):
+        config = _spec(num_blocks=1024, max_num_seqs=samples) if speculate else None
+        config = config or EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=samples)
+        hist = [0] * vocab
+        stats: dict[str, float] = {}
+        params_list = [
+            SamplingParams(max_new_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
+            for s in range(samples)
+        ]
+        with EngineCore(model, config) as engine:
+            if speculate:
+                engine.proposer = NgramProposer(2, min_ngram=1, max_ngram=2)
+            for seed, params in enumerate(params_list):
+                engine.add_request(prompt, params, str(seed))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        hist[out.token_ids[2]] += 1
+            stats = dict(engine.stats)
+        if speculate:
+            proposed, accepted = stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]
+            assert proposed > accepted > 0, stats
+        counts.append(hist)
+    used = [t for t in range(vocab) if counts[0][t] + counts[1][t] > 0]
+    table = [[row[t] for t in used] for row in counts]
+    assert chi2_contingency(table).pvalue > 0.001, table
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    proposer = NgramProposer(3, min_ngram=2, max_ngram=3)
+    assert proposer.lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3]) == [4, 5, 1]  # latest
+    assert proposer.lookup([5, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1]  # 2-gram "2 3"
+    assert proposer.lookup([7, 1, 2, 3]) == []  # no earlier occurrence
+    assert proposer.lookup([1, 2, 1, 2]) == [1, 2]  # overlapping, cut at the end
+    assert NgramProposer(2, min_ngram=1, max_ngram=2).lookup([4, 6, 4]) == [6, 4]
+    # The longest n wins over a more recent shorter match.
+    assert proposer.lookup([1, 2, 3, 8, 0, 2, 3, 9, 1, 2, 3]) == [8, 0, 2]
+
+
+def test_only_ngram_is_built():
+    for method in ("draft", "layer_skip"):
+        with pytest.raises(ValueError, match="not built yet"):
+            SpeculativeConfig(method=method)
+    with pytest.raises(ValueError, match="ngram"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="num_tokens"):
+        SpeculativeConfig(num_tokens=0)
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative=1).validate()  # type: ignore[arg-type]
