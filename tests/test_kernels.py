@@ -224,3 +224,22 @@ def test_prefill_rows_attend_through_the_kernel_exactly(monkeypatch, arch):
                 outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert steps_with_row_tables > 2
     assert [outputs[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed():
+    """torch's ``lock`` file of a build that was killed made every later load wait forever
+    (a server killed during its first start never started again)."""
+    import subprocess
+    import sys
+
+    from cbgen.models import cache_dir
+
+    if decode_kernel() is None:
+        pytest.skip("no native kernels on this machine")
+    stale = cache_dir() / "kernels" / machine_key() / "lock"
+    stale.write_text("")
+    code = "from cbgen.kernels import _build; _build(); print('loaded')"
+    # The bound only keeps a regression from hanging the suite: a load takes seconds.
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    assert not stale.exists()

@@ -19,11 +19,13 @@ loading a binary that would die on an illegal instruction.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -67,14 +69,42 @@ def _build() -> ModuleType:
     here = Path(__file__).parent
     build_dir = cache_dir() / "kernels" / machine_key()
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(
-        name="cbgen_cpu_kernels",
-        sources=[str(here / name) for name in SOURCES],
-        extra_cflags=compile_flags(),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    with _build_lock(build_dir):
+        return load(
+            name="cbgen_cpu_kernels",
+            sources=[str(here / name) for name in SOURCES],
+            extra_cflags=compile_flags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an OS file lock on the build folder, released by the OS if the process dies.
+
+    torch's ``load`` marks a build in progress with a ``lock`` file and makes every
+    later loader wait until that file is gone; a process killed mid-build (a server
+    stopped during its first start) leaves it behind, and every later start waited
+    forever. Builders take this ``flock`` first, so whoever holds it knows no live
+    cbgen build owns a ``lock`` file there: one left over is stale and is removed.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file only
+        yield
+        return
+    with open(build_dir / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("cbgen: removing %s, left by a kernel build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def compile_flags() -> list[str]:
