@@ -46,3 +46,9 @@ def target_logprobs(
     """``token_logprobs`` from raw float32 logits (``[rows, vocab]``), for the tokens
     that follow (``targets``): what prompt logprobs are."""
     return token_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, counts)
+
+
+def copy_entries(entries: list | None) -> list | None:
+    """A new list of the same entries (``None`` stays ``None``): an output's own copy of
+    a request's logprobs, which keep growing after it is handed out."""
+    return None if entries is None else list(entries)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .logprobs import TokenLogprobs
+from .logprobs import TokenLogprobs, copy_entries
 from .request import FinishReason, Request, RequestOutput
 from .scheduler_output import SchedulerOutput
 from .speculative import SpeculationCounts
@@ -159,13 +159,13 @@ class OutputProcessor:
                     new_token_ids=new,
                     error=error,
                     num_cached_tokens=request.num_cached_tokens,
-                    logprobs=_copy(request.logprobs),
+                    logprobs=copy_entries(request.logprobs),
                     new_logprobs=(
                         None
                         if request.logprobs is None
                         else request.logprobs[len(request.logprobs) - len(new) :]
                     ),
-                    prompt_logprobs=_copy(request.prompt_logprobs),
+                    prompt_logprobs=copy_entries(request.prompt_logprobs),
                     text=text,
                     new_text=new_text,
                 )
@@ -184,10 +184,6 @@ class OutputProcessor:
         if position + 1 >= self.max_model_len:
             return FinishReason.CONTEXT_LIMIT
         return None
-
-
-def _copy(entries: list | None) -> list | None:
-    return None if entries is None else list(entries)
 
 
 def _record_prompt_logprobs(

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from ..engine import EngineCore
+from ..logprobs import copy_entries
 from ..openmp import release_thread_team
 from ..request import FinishReason, RequestOutput, RequestStatus
 from .outputs import EngineSnapshot, OnlineRequestOutput
@@ -231,7 +232,7 @@ class EngineLoop:
             error=error,
             text=None if new_text is None else (request.text or "") + new_text,
             new_text=new_text,
-            logprobs=_copy(request.logprobs),
+            logprobs=copy_entries(request.logprobs),
             new_logprobs=None if request.logprobs is None else [],
             prompt_logprobs=request.prompt_logprobs,
         )
@@ -279,7 +280,3 @@ class EngineLoop:
                 arg.set()
         with contextlib.suppress(Exception):  # a broken core keeps its last snapshot
             self.publish_snapshot()
-
-
-def _copy(entries: list | None) -> list | None:
-    return None if entries is None else list(entries)

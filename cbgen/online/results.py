@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..config import EngineConfig
-from ..logprobs import TokenLogprobs
+from ..logprobs import TokenLogprobs, copy_entries
 from ..sampling import SamplingParams
 from .outputs import EngineClosedError, EngineOverloadedError, OnlineRequestOutput
 from .streams import Sink, SinkGroup, resolve_all
@@ -279,7 +279,7 @@ class ResultStore:
                             finished=False,
                             new_token_ids=list(request.token_ids),
                             new_text=request.text,
-                            new_logprobs=_copy(request.logprobs),
+                            new_logprobs=copy_entries(request.logprobs),
                             prompt_logprobs=request.prompt_logprobs,
                         ),
                         wakes,
@@ -381,7 +381,3 @@ class ResultStore:
             self.any_waiters.clear()
         for waiter in waiters:
             waiter.wake()
-
-
-def _copy(entries: list | None) -> list | None:
-    return None if entries is None else list(entries)
