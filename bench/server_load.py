@@ -298,6 +298,16 @@ def _wait_healthy(base_url: str, process: subprocess.Popen, timeout: float) -> N
     raise RuntimeError(f"the server did not come up within {timeout:.0f} s")
 
 
+def _stop_server(process: subprocess.Popen) -> None:
+    """Ask the server to stop; kill it if it has not within 30 s."""
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="an already running server (else one is started)")
@@ -334,12 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             _wait_healthy(base_url, process, 300)
             stats = run_load(base_url, args.served_model_name, args, args.api_key)
         finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            _stop_server(process)
     return 0 if report(stats, args) else 1
 
 

@@ -83,11 +83,7 @@ def served(tmp_path_factory):
         helpers._wait_healthy(base, process, timeout=300)
         yield base, folder
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        helpers._stop_server(process)
 
 
 @pytest.mark.slow

@@ -9,7 +9,13 @@ are not, which exercises acceptance and rollback both.
 from __future__ import annotations
 
 import pytest
-from conftest import ARCHITECTURES, make_tiny_model, random_prompts, reference_greedy
+from conftest import (
+    ARCHITECTURES,
+    make_tiny_model,
+    random_prompts,
+    reference_greedy,
+    run_until_done,
+)
 
 from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
 from cbgen.request import Request
@@ -29,16 +35,12 @@ def _echo_prompts(model, count: int, seed: int) -> list[list[int]]:
 def _run(model, prompts, config, params=None, proposer=None):
     """Every request's final output, and the engine's stats; checks the allocator."""
     params = params or SamplingParams(max_new_tokens=MAX_NEW)
-    results = {}
     with EngineCore(model, config) as engine:
         if proposer is not None:
             engine.proposer = proposer
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, str(i))
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+        results = run_until_done(engine)
         assert engine.allocator.num_free == engine.allocator.num_blocks
         engine.allocator.check_invariants()
         stats = dict(engine.stats)
