@@ -16,6 +16,7 @@ from .config import EngineConfig
 from .generate import generate_batch
 from .precision_args import add_precision_arguments, load_model_for
 from .sampling import SamplingParams
+from .speculative_args import add_speculative_arguments, speculative_config
 from .structured import StructuredOutput
 
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--regex", help="a regular expression the output must match")
     structured.add_argument("--json-object", action="store_true", help="output any JSON object")
     add_precision_arguments(gen)
+    add_speculative_arguments(gen)
     gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     gen.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     gen.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -100,14 +102,15 @@ def generate_command(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         structured_output=_structured_output(args),
     )
-    config = EngineConfig(
-        block_size=args.block_size,
-        max_batch_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
     started = time.perf_counter()
     try:
+        config = EngineConfig(
+            block_size=args.block_size,
+            max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_dtype=args.kv_cache_dtype,
+            speculative=speculative_config(args),
+        )
         outputs = generate_batch(
             model, token_ids, params, config, tokenizer=tokenizer, progress=args.progress
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from .cache.prefix_cache import prefix_caching_unsupported_reason
 from .cache.swap import SwapSpace
 from .config import EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import make_decoder
+from .draft import DraftModelProposer, layer_skip_model
 from .executor.runner import Executor
 from .input_processor import InputProcessor
 from .logits import default_processors
@@ -28,7 +30,7 @@ from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .sampler import Sampler, SamplerOutput
 from .sampling import SamplingParams
 from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
-from .speculative import make_proposer
+from .speculative import NgramProposer, Proposer
 from .step_sampling import grammar_bitmask, sample_step
 from .structured import GrammarCompiler
 from .text import RequestText
@@ -68,6 +70,8 @@ class EngineCore:
         )
         model.eval()
         self.model = model
+        # Before the target's executor changes its modules: a layer-skip draft copies them.
+        draft_model = _draft_model(self.config, model)
         # The backends of every role are chosen here, once (``runner.describe()``).
         self.runner = Executor(
             model,
@@ -75,13 +79,16 @@ class EngineCore:
             prepack_linear=self.config.prepack_linear,
         )
         self.kernels = self.runner.kernels
+        self.proposer: Proposer | None = None  # None: no speculation
         try:
-            self._build(model)
+            self._build(model, draft_model)
         except BaseException:
+            if self.proposer is not None:
+                self.proposer.close()
             self.runner.close()
             raise
 
-    def _build(self, model: torch.nn.Module) -> None:
+    def _build(self, model: torch.nn.Module, draft_model: torch.nn.Module | None) -> None:
         config = self.config
         layers = self.runner.probe.layers
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
@@ -89,13 +96,31 @@ class EngineCore:
             layers = [replace(spec, dtype=kv_dtype) for spec in layers]
         self.cache_groups = build_groups(layers)
         per_token = bytes_per_token(tensor_layout(layers, self.cache_groups)[1])
+        spec = config.speculative
+        draft: DraftModelProposer | None = None
+        if spec is not None:
+            if draft_model is None:
+                self.proposer = NgramProposer(spec.num_tokens)
+            else:
+                self.proposer = draft = DraftModelProposer(
+                    draft_model,
+                    spec.num_tokens,
+                    vocab_size=self.runner.vocab_size,
+                    max_batch_tokens=config.max_batch_tokens,
+                    use_native_kernels=config.use_native_kernels,
+                    prepack_linear=config.prepack_linear,
+                )
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
+            # A draft's cache holds as many blocks as the target's, from the same budget.
             budget = config.kv_cache_memory or default_cache_budget(self.runner.device)
-            num_blocks = budget // (per_token * config.block_size)
+            both = per_token + (draft.bytes_per_token if draft is not None else 0)
+            num_blocks = budget // (both * config.block_size)
             if num_blocks < 1:
                 raise ValueError(f"KV cache budget of {budget} bytes holds no block")
+        if draft is not None:
+            draft.allocate_cache(num_blocks, config.block_size)
         self.cache = PagedKVCache(
             layers, num_blocks, config.block_size, self.runner.device, self.cache_groups
         )
@@ -125,7 +150,6 @@ class EngineCore:
             admission=config.admission,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions, spec_*
-        self.proposer = make_proposer(config.speculative)  # None: no speculation
         self.batch_builder = BatchBuilder(
             self.cache,
             self.runner.probe.layer_of_module,
@@ -232,6 +256,8 @@ class EngineCore:
     def _retire(self, request: Request, reason: FinishReason) -> None:
         """Finish ``request`` in the scheduler (its blocks come back) and forget it."""
         self.scheduler.finish(request, reason)
+        if self.proposer is not None:
+            self.proposer.finish(request)
         self._requests.pop(request.request_id, None)
         if request.params.needs_history:
             self._num_with_history -= 1
@@ -261,8 +287,9 @@ class EngineCore:
         """
         outputs: list[RequestOutput] = []
         in_flight = self._in_flight
-        if in_flight is not None and self._num_with_history:
-            # Processors and penalties read every token so far: settle before planning.
+        if in_flight is not None and (self._num_with_history or self._proposing()):
+            # Processors and penalties read every token so far, and a proposer guesses
+            # from them: settle before planning.
             outputs = self._settle_in_flight()
             in_flight = None
         if self.proposer is not None:
@@ -288,6 +315,12 @@ class EngineCore:
         if in_flight is not None:
             outputs = self._settle(in_flight.pending, self._result(in_flight, self._in_flight))
         return outputs
+
+    def _proposing(self) -> bool:
+        """Whether a running request takes proposals (``SamplingParams.speculative``)."""
+        return self.proposer is not None and any(
+            r.params.speculative for r in self.scheduler.running
+        )
 
     def _settle_in_flight(self) -> list[RequestOutput]:
         in_flight = self._in_flight
@@ -331,7 +364,12 @@ class EngineCore:
             batch.input_ids[0].index_copy_(
                 0, batch.carry_rows, tokens.index_select(0, batch.carry_sources)
             )
-        return sample_step(self.sampler, batch, self.runner.execute(batch), bitmask)
+        if self.proposer is None:
+            return sample_step(self.sampler, batch, self.runner.execute(batch), bitmask)
+        started = time.perf_counter()
+        logits = self.runner.execute(batch)
+        self.proposer.observe_step(time.perf_counter() - started)
+        return sample_step(self.sampler, batch, logits, bitmask)
 
     def _settle(self, pending: PendingSamples, sampled: SamplerOutput) -> list[RequestOutput]:
         outputs, finished = self.output_processor.resolve(
@@ -377,6 +415,8 @@ class EngineCore:
             self._executor = None
         for request_id in list(self._requests):
             self.abort(request_id)
+        if self.proposer is not None:
+            self.proposer.close()
         self.runner.close()
 
     def __enter__(self) -> EngineCore:
@@ -396,6 +436,27 @@ class _InFlight:
 
     pending: PendingSamples
     future: futures.Future[SamplerOutput]
+
+
+def _draft_model(config: EngineConfig, model: torch.nn.Module) -> torch.nn.Module | None:
+    """The draft model ``config.speculative`` names: none for prompt lookup, the user's
+    for ``"draft"``, the target's first layers for ``"layer_skip"``."""
+    spec = config.speculative
+    if spec is None or spec.method == "ngram":
+        return None
+    if spec.method == "layer_skip":
+        return layer_skip_model(model, spec.num_layers)
+    draft: torch.nn.Module = spec.draft_model
+    if draft is model:
+        raise ValueError("draft_model is the target itself; use method='layer_skip'")
+    target_device = next(model.parameters()).device
+    draft_device = next(draft.parameters()).device
+    if draft_device != target_device:
+        raise ValueError(
+            f"draft_model is on {draft_device} and the target on {target_device}; "
+            "put them on the same device"
+        )
+    return draft
 
 
 def _model_context_limit(model: torch.nn.Module) -> int | None:

@@ -123,6 +123,7 @@ class OutputProcessor:
             else:
                 new = _accepted(sampled_tokens[row : row + 1 + len(drafts)], drafts)
                 self.speculation.add(len(drafts), len(new) - 1)
+                request.acceptance.record(len(drafts), len(new) - 1)
                 request.token_ids[position : position + 1] = new
                 for index, token in enumerate(new):
                     reason = self._finish_reason(request, token, position + index)

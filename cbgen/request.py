@@ -10,6 +10,7 @@ import torch
 
 from .logprobs import TokenLogprobs
 from .sampling import SamplingParams
+from .speculative import DraftAcceptance
 from .text import RequestText
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class Request:
     # Proposed continuation (speculative decoding): written by a proposer before each
     # step, verified in the request's next step (``cbgen.scheduler``), never trusted.
     draft_token_ids: list[int] = field(default_factory=list)
+    acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # adaptive k
     # Per generated token / prompt position, when the params ask (``cbgen.logprobs``).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -10,16 +10,21 @@ step is scheduled. A wrong guess costs compute, never correctness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from torch import nn
 
-from .request import Request
+if TYPE_CHECKING:
+    from .request import Request
 
 METHODS = ("ngram", "draft", "layer_skip")
-NOT_BUILT = ("draft", "layer_skip")
+# The cost of verifying one more token, as a share of a step (SmolLM2, 1-8 requests,
+# CPU: a decode step is bound by reading the weights, which the extra rows share).
+VERIFY_COST = 0.05
 
 
 @dataclass
@@ -29,9 +34,12 @@ class SpeculativeConfig:
     ``method="ngram"`` is prompt lookup: the tokens that followed the most recent earlier
     occurrence of the request's last few tokens, in its own prompt and output (no extra
     model; pays off where the output quotes its input: rewriting, editing, answering from
-    a pasted document). ``num_tokens`` is k, the most tokens proposed per request and step.
-    ``"draft"`` (a small model sharing the tokenizer, ``draft_model``) and ``"layer_skip"``
-    (the target's first ``num_layers`` layers) are reserved names, not built yet.
+    a pasted document). ``method="draft"`` decodes the guesses greedily with
+    ``draft_model``, a smaller ``transformers`` model sharing the target's tokenizer, on
+    the target's device, with a paged KV cache of its own (``cbgen.draft``).
+    ``method="layer_skip"`` does the same with the target's first ``num_layers`` layers
+    (its weights shared; ``None``: a quarter of them), the draft that needs no second
+    checkpoint. ``num_tokens`` is k, the most tokens proposed per request and step.
     """
 
     method: str = "ngram"
@@ -40,12 +48,23 @@ class SpeculativeConfig:
     num_layers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method in NOT_BUILT:
-            raise ValueError(
-                f"speculative method {self.method!r} is not built yet; use method='ngram'"
-            )
         if self.method not in METHODS:
-            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft" and not isinstance(self.draft_model, nn.Module):
+            raise ValueError(
+                "method='draft' needs draft_model, a transformers model sharing the "
+                f"target's tokenizer; got {type(self.draft_model).__name__}"
+            )
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"draft_model is for method='draft', not {self.method!r}")
+        if self.num_layers is not None and (
+            isinstance(self.num_layers, bool)
+            or not isinstance(self.num_layers, int)
+            or self.num_layers < 1
+        ):
+            raise ValueError(f"num_layers must be an int >= 1 or None, got {self.num_layers!r}")
+        if self.method != "layer_skip" and self.num_layers is not None:
+            raise ValueError(f"num_layers is for method='layer_skip', not {self.method!r}")
         if (
             isinstance(self.num_tokens, bool)
             or not isinstance(self.num_tokens, int)
@@ -54,17 +73,87 @@ class SpeculativeConfig:
             raise ValueError(f"num_tokens must be an int >= 1, got {self.num_tokens!r}")
 
 
+@dataclass
+class DraftAcceptance:
+    """How often a request's guesses are kept, and so how many to make next (adaptive k).
+
+    Each verification of ``n`` guesses keeping ``m`` is ``m`` kept guesses, then one
+    rejection if ``m < n``: the kept fraction ``rate = kept / (kept + rejected)``
+    estimates the chance that a guess is kept given the ones before it were (older
+    verifications fade by ``DECAY`` each). The j-th guess is kept with chance
+    ``rate ** j``, and it costs ``token_cost`` (a share of a step: verifying it, and
+    for a draft model computing it); ``draft_length`` makes guesses while that chance
+    exceeds their cost. At length 0 a request still makes one guess after
+    ``PROBE_EVERY`` chances, then after twice as many each time the probe changes
+    nothing (up to ``MAX_PROBE_EVERY``), so a rate that recovers is seen and a draft
+    that never fits costs little. The output processor records verifications
+    (``record``); the proposer reads ``draft_length``.
+    """
+
+    DECAY = 0.8
+    PROBE_EVERY = 8
+    MAX_PROBE_EVERY = 128
+
+    kept: float = 2.0  # the prior: two kept, one rejected (rate 2/3)
+    rejected: float = 1.0
+    idle: int = 0  # chances passed without a guess
+    probe_every: int = PROBE_EVERY
+
+    @property
+    def rate(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+    def record(self, verified: int, kept: int) -> None:
+        if verified:
+            self.kept = self.DECAY * self.kept + kept
+            self.rejected = self.DECAY * self.rejected + (1 if kept < verified else 0)
+
+    def draft_length(self, most: int, token_cost: float) -> int:
+        """Guesses worth making now: the largest ``k <= most`` with ``rate ** k``
+        above ``token_cost`` (0 when even one is not worth it, but for the probes)."""
+        rate = self.rate
+        if rate >= 1.0 or token_cost <= 0.0:
+            k = most
+        elif rate <= token_cost:
+            k = 0
+        else:
+            k = min(most, int(math.log(token_cost) / math.log(rate)))
+        if k == 0:
+            self.idle += 1
+            if self.idle >= self.probe_every:
+                self.idle = 0
+                self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
+                return 1
+        else:
+            self.idle = 0
+            self.probe_every = self.PROBE_EVERY
+        return k
+
+
 class Proposer:
     """Writes the ``draft_token_ids`` of every running request before a step.
 
     ``propose`` sees every running request; it must leave ``draft_token_ids`` empty for
     those that are not ``eligible`` (stale proposals would only waste a verification).
+    It makes at most ``num_tokens`` guesses per request, fewer as the request's
+    ``acceptance`` says (``DraftAcceptance``) with ``token_cost``, its cost per guess
+    as a share of a step.
     """
 
     num_tokens: int
+    token_cost: float = VERIFY_COST
 
     def propose(self, requests: Iterable[Request]) -> None:
         raise NotImplementedError
+
+    def finish(self, request: Request) -> None:
+        """``request`` left the engine: drop what the proposer keeps for it."""
+
+    def observe_step(self, seconds: float) -> None:
+        """How long a target forward pass took (a draft model weighs its own against it)."""
+
+    def close(self) -> None:
+        """Release what the proposer holds (a draft model's cache and executor)."""
 
 
 def eligible(request: Request) -> bool:
@@ -86,6 +175,7 @@ class NgramProposer(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the request's last ``n``
     tokens (``n`` from ``max_ngram`` down to ``min_ngram``) in its prompt and output, and
     propose the (up to) ``num_tokens`` tokens that followed it. No match, no proposal.
+    A guess costs only its verification (``VERIFY_COST``).
 
     One numpy pass per request and step: candidates are the earlier positions holding
     the last token, narrowed by one token of context per ``n``, so the cost is linear
@@ -100,10 +190,12 @@ class NgramProposer(Proposer):
 
     def propose(self, requests: Iterable[Request]) -> None:
         for request in requests:
+            request.draft_token_ids = []
             if eligible(request):
-                request.draft_token_ids = self.lookup(request.token_ids)
-            else:
-                request.draft_token_ids = []
+                found = self.lookup(request.token_ids)
+                if found:  # only a match is a chance to guess
+                    k = request.acceptance.draft_length(self.num_tokens, self.token_cost)
+                    request.draft_token_ids = found[:k]
 
     def lookup(self, token_ids: list[int]) -> list[int]:
         """The proposal for a sequence ending in ``token_ids[-1]`` (empty: no match)."""
@@ -126,11 +218,6 @@ class NgramProposer(Proposer):
                 start = int(found[-1]) + 1
                 return token_ids[start : start + self.num_tokens]
         return []
-
-
-def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    """The proposer ``config`` names (only ``"ngram"`` exists so far); None for None."""
-    return None if config is None else NgramProposer(config.num_tokens)
 
 
 @dataclass

@@ -28,7 +28,14 @@ def tokenizer():
 
 
 def test_all_named_workloads_are_defined():
-    assert workload_names() == ["chat64", "short64", "long-prompt", "many-short", "shared-prefix"]
+    assert workload_names() == [
+        "chat64",
+        "short64",
+        "long-prompt",
+        "many-short",
+        "shared-prefix",
+        "grounded",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -39,6 +46,7 @@ def test_all_named_workloads_are_defined():
         ("long-prompt", 16, 64, 2000, 4000),
         ("many-short", 256, 64, 10, 49),
         ("shared-prefix", 64, 64, 300, 1000),
+        ("grounded", 12, 128, 100, 320),
     ],
 )
 def test_workload_counts_and_lengths(tokenizer, name, count, new_tokens, low, high):

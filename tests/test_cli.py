@@ -53,3 +53,24 @@ def test_generate_with_a_regex_logprobs_and_penalties(smollm2, capsys):
 def test_generate_refuses_a_bad_regex_cleanly(smollm2, capsys):
     assert main(["generate", "--prompt", "Hi", "--regex", "("]) == 2
     assert "invalid regex" in capsys.readouterr().err
+
+
+def _completion(out: str) -> str:
+    return out.split("\n[")[0]
+
+
+def test_generate_with_speculation_prints_what_plain_decoding_does(smollm2, capsys):
+    args = ["generate", "--prompt", "Repeat: the cat sat on the mat.", "--max-new-tokens", "16"]
+    assert main(args) == 0
+    plain = _completion(capsys.readouterr().out)
+    for extra in (
+        ["--speculative", "ngram"],
+        ["--speculative", "draft", "--draft-quantization", "int4", "--num-speculative-tokens", "3"],
+    ):
+        assert main(args + extra) == 0
+        assert _completion(capsys.readouterr().out) == plain
+
+
+def test_generate_refuses_a_draft_without_a_model_cleanly(capsys):
+    assert main(["generate", "--prompt", "Hi", "--speculative", "draft"]) == 2
+    assert "--draft-model" in capsys.readouterr().err

@@ -294,6 +294,40 @@ def test_models_health_metrics(server):
     assert 'cbgen_http_requests_total{endpoint="/v1/completions",status="200"}' in text
 
 
+def test_speculation_counts_reach_the_metrics():
+    """A server with a layer-skip draft reports its guesses, and answers as it would
+    without them (greedy)."""
+    tokenizer = smollm2_tokenizer()
+    model = tiny_model(tokenizer)
+    spec = cbgen.SpeculativeConfig(method="layer_skip", num_layers=1)
+    answers = []
+    for speculative in (None, spec):
+        config = cbgen.EngineConfig(
+            num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, speculative=speculative
+        )
+        engine = Engine(model, tokenizer, config)
+        app = create_app(engine, tokenizer, MODEL)
+        uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        try:
+            with uvicorn_in_thread(uv) as base:
+                client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+                done = client.completions.create(
+                    model=MODEL, prompt="Count: one two three", max_tokens=12, temperature=0
+                )
+                answers.append(done.choices[0].text)
+                wait_idle(engine)
+                text = httpx.get(f"{base}/metrics").text
+        finally:
+            engine.close()
+    proposed = metric(text, "cbgen_spec_proposed_tokens_total")
+    accepted = metric(text, "cbgen_spec_accepted_tokens_total")
+    verifications = metric(text, "cbgen_spec_verifications_total")
+    assert proposed > 0 and verifications > 0 and 0 <= accepted <= proposed
+    mean = metric(text, "cbgen_spec_mean_accepted_length")
+    assert mean == pytest.approx(1 + accepted / verifications)
+    assert answers[0] == answers[1]
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 

@@ -16,10 +16,12 @@ from conftest import (
     reference_greedy,
     run_until_done,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
 from cbgen.request import Request
-from cbgen.speculative import NgramProposer
+from cbgen.speculative import VERIFY_COST, DraftAcceptance, NgramProposer
 
 MAX_NEW = 24
 
@@ -159,21 +161,30 @@ def test_logprobs_are_the_same_with_speculation():
 
 
 @pytest.mark.slow  # 400 seeded requests twice: ~12 s on 2 cores
-def test_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sampling_keeps_the_target_distribution(proposer):
     """A proposal is kept only where it equals the token the target samples there, so the
     tokens a sampled request gets have plain decoding's distribution (not its exact draws:
     rejected rows use random numbers too). On a model of 8 tokens, where single-token
-    lookup proposes often and is often wrong, the third output token's counts over many
-    seeds with and without speculation pass a chi-square test of homogeneity at 0.1%."""
+    lookup (or a draft model of other random weights) proposes often and is often wrong,
+    the third output token's counts over many seeds with and without speculation pass a
+    chi-square test of homogeneity at 0.1%."""
     chi2_contingency = pytest.importorskip("scipy.stats").chi2_contingency
     vocab = 8
     model = make_tiny_model("llama", vocab_size=vocab, pad_token_id=0, bos_token_id=1)
     prompt = [3, 4, 5, 3, 4, 6, 3, 4]
     samples = 400
     counts = []
+    draft = make_tiny_model("llama", seed=5, vocab_size=vocab, pad_token_id=0, bos_token_id=1)
+    spec = SpeculativeConfig(method="draft", num_tokens=2, draft_model=draft)
     for speculate in (False, True):
-        config = _spec(num_blocks=1024, max_num_seqs=samples) if speculate else None
-        config = config or EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=samples)
+        config = EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=samples)
+        if speculate and proposer == "draft":
+            config = EngineConfig(
+                block_size=4, num_blocks=1024, max_num_seqs=samples, speculative=spec
+            )
+        elif speculate:
+            config = _spec(num_blocks=1024, max_num_seqs=samples)
         hist = [0] * vocab
         stats: dict[str, float] = {}
         params_list = [
@@ -181,7 +192,7 @@ def test_sampling_keeps_the_target_distribution():
             for s in range(samples)
         ]
         with EngineCore(model, config) as engine:
-            if speculate:
+            if speculate and proposer == "ngram":
                 engine.proposer = NgramProposer(2, min_ngram=1, max_ngram=2)
             for seed, params in enumerate(params_list):
                 engine.add_request(prompt, params, str(seed))
@@ -210,13 +221,57 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert proposer.lookup([1, 2, 3, 8, 0, 2, 3, 9, 1, 2, 3]) == [8, 0, 2]
 
 
-def test_only_ngram_is_built():
-    for method in ("draft", "layer_skip"):
-        with pytest.raises(ValueError, match="not built yet"):
-            SpeculativeConfig(method=method)
+def test_config_names_what_is_wrong():
     with pytest.raises(ValueError, match="ngram"):
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="num_tokens"):
         SpeculativeConfig(num_tokens=0)
+    with pytest.raises(ValueError, match="needs draft_model"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="draft_model is for method='draft'"):
+        SpeculativeConfig(method="ngram", draft_model=make_tiny_model("llama"))
+    with pytest.raises(ValueError, match="num_layers must be"):
+        SpeculativeConfig(method="layer_skip", num_layers=0)
+    with pytest.raises(ValueError, match="num_layers is for"):
+        SpeculativeConfig(method="ngram", num_layers=2)
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative=1).validate()  # type: ignore[arg-type]
+
+
+def test_draft_length_follows_the_kept_fraction():
+    sure = DraftAcceptance()
+    for _ in range(20):
+        sure.record(4, 4)
+    assert sure.rate > 0.95 and sure.draft_length(4, VERIFY_COST) == 4
+    hopeless = DraftAcceptance()
+    for _ in range(20):
+        hopeless.record(4, 0)
+    assert hopeless.rate < 0.05
+    # Not worth a guess: none, but for probes ever further apart (8, then 16, ... chances).
+    lengths = [hopeless.draft_length(4, 0.3) for _ in range(8 + 16 + 32)]
+    probes = [i + 1 for i, k in enumerate(lengths) if k]
+    assert probes == [8, 8 + 16, 8 + 16 + 32] and set(lengths) == {0, 1}
+    # A draft model's guesses cost more than lookup's: fewer of them at the same rate.
+    middling = DraftAcceptance(kept=3.0, rejected=1.0)  # rate 0.75
+    assert middling.draft_length(8, 0.05) == 8 >= middling.draft_length(8, 0.3) == 4
+
+
+@given(
+    verifications=st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 6)).map(lambda t: (t[0], min(t[0], t[1]))),
+        max_size=30,
+    ),
+    most=st.integers(1, 8),
+    cost=st.floats(0.0, 1.5),
+)
+def test_draft_length_stays_in_range_and_falls_with_cost(verifications, most, cost):
+    acceptance = DraftAcceptance()
+    for verified, kept in verifications:
+        acceptance.record(verified, kept)
+    assert 0.0 < acceptance.rate <= 1.0
+    length = acceptance.draft_length(most, cost)
+    assert 0 <= length <= most
+    # A cheaper guess is never made less often (a fresh copy: no probe counted yet).
+    cheaper = DraftAcceptance(acceptance.kept, acceptance.rejected)
+    dearer = DraftAcceptance(acceptance.kept, acceptance.rejected)
+    assert cheaper.draft_length(most, cost / 2) >= dearer.draft_length(most, cost)

@@ -118,6 +118,9 @@ class EngineLoop:
             preemptions=core.stats.get("preemptions", 0),
             cached_tokens=core.stats.get("cached_tokens", 0),
             unread_aborts=self.num_unread_aborts,
+            spec_proposed_tokens=int(core.stats.get("spec_proposed_tokens", 0)),
+            spec_accepted_tokens=int(core.stats.get("spec_accepted_tokens", 0)),
+            spec_verifications=int(core.stats.get("spec_verifications", 0)),
         )
 
     def _apply(self, command: tuple[int, Any]) -> bool:

@@ -58,3 +58,8 @@ class EngineSnapshot:
     queued_tokens: int = 0
     unread_aborts: int = 0
     rejected: int = 0
+    # Speculative decoding (``EngineCore.stats``' ``spec_*``): guesses verified and kept,
+    # and verifications (request-steps that verified at least one guess).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0

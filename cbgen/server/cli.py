@@ -9,6 +9,7 @@ import os
 
 from ..config import EngineConfig
 from ..precision_args import add_precision_arguments, load_model_for
+from ..speculative_args import add_speculative_arguments, speculative_config
 from .guard import LOOPBACK_HOSTS
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $CBGEN_API_KEY)",
     )
     add_precision_arguments(parser)
+    add_speculative_arguments(parser)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     parser.add_argument("--num-blocks", type=int, help="KV cache blocks (default: memory budget)")
     parser.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
@@ -142,6 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_queued_tokens=args.max_queued_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative=speculative_config(args),
     )
     engine = Engine(
         model,

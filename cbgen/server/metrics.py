@@ -107,6 +107,27 @@ class _EngineCollector(Collector):
             "Requests refused because the queue bounds were reached (429).",
             snap.rejected,
         )
+        yield counter(
+            "cbgen_spec_proposed_tokens",
+            "Speculative guesses verified by the target.",
+            snap.spec_proposed_tokens,
+        )
+        yield counter(
+            "cbgen_spec_accepted_tokens",
+            "Speculative guesses the target kept.",
+            snap.spec_accepted_tokens,
+        )
+        yield counter(
+            "cbgen_spec_verifications",
+            "Request-steps that verified at least one guess.",
+            snap.spec_verifications,
+        )
+        verified = snap.spec_verifications
+        yield gauge(
+            "cbgen_spec_mean_accepted_length",
+            "Tokens gained per verification, the sampled one included (0 before any).",
+            1 + snap.spec_accepted_tokens / verified if verified else 0.0,
+        )
 
 
 class ServerMetrics:

@@ -1,0 +1,298 @@
+"""Draft-model proposers: a smaller model guesses each request's next k tokens.
+
+The draft runs on its own executor and its own paged KV cache, whose blocks the same
+``KVCacheManager`` class hands out as the target's. Per request the draft keeps a
+sequence of its own (a ``Request`` whose ``num_computed_tokens`` counts the draft's
+K/V, not the target's): each step it first catches up on the tokens the target
+accepted since (the whole prompt the first time), then decodes greedily k - 1 more
+times, every proposing request in one packed forward pass per token. Its K/V of
+rejected guesses is rolled back at the next step, by comparing what it computed with
+what the target kept.
+
+Greedy guesses make the proposal a point mass, for which the engine's rule (keep a
+draft while it equals the token the target samples there) is the standard
+accept/resample rule: the target's distribution is kept exactly whatever the draft is.
+
+``layer_skip_model`` makes the draft that needs no second checkpoint: the target's
+first layers with its own embedding, final norm and LM head (its weights shared, not
+copied).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, cast
+
+from torch import nn
+
+from .batch import BatchBuilder
+from .cache.allocator import BlockAllocator
+from .cache.groups import build_groups, tensor_layout
+from .cache.kv_cache_manager import KVCacheManager
+from .cache.paged_cache import PagedKVCache, bytes_per_token
+from .executor.runner import Executor
+from .request import Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .speculative import VERIFY_COST, Proposer, eligible
+
+logger = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """The parent, attribute name and ``ModuleList`` of the model's decoder layers: the
+    first list with ``config.num_hidden_layers`` entries (``model.layers``,
+    ``transformer.h``, ``gpt_neox.layers``, ``model.decoder.layers``, ...)."""
+    count = model.config.num_hidden_layers  # type: ignore[union-attr]
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == count:
+                return parent, name, child
+    raise ValueError(f"{type(model).__name__}: found no list of {count} decoder layers")
+
+
+def layer_skip_model(model: nn.Module, num_layers: int | None = None) -> nn.Module:
+    """The target's first ``num_layers`` decoder layers as a model of its own class (the
+    embedding, final norm and LM head kept): every weight tensor is the target's, every
+    module and the config are new, so the draft's executor prepacks and switches its own
+    modules without touching the target's. ``None``: a quarter of the layers (at least one).
+
+    Build it before an executor changes the target's modules (``EngineCore`` does).
+    """
+    total: int = cast(Any, model).config.num_hidden_layers
+    if num_layers is None:
+        num_layers = max(1, total // 4)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise ValueError(f"num_layers must be an int, got {num_layers!r}")
+    if not 1 <= num_layers < total:
+        raise ValueError(
+            f"layer_skip needs 1 <= num_layers < {total} (the target's layers), got {num_layers}"
+        )
+    # Tensors are shared: deepcopy finds every parameter and buffer in its memo.
+    memo: dict[int, Any] = {id(t): t for t in model.parameters()}
+    memo.update({id(t): t for t in model.buffers()})
+    draft: Any = copy.deepcopy(model, memo)
+    parent, name, layers = decoder_layers(draft)
+    setattr(parent, name, nn.ModuleList(list(layers)[:num_layers]))
+    config = draft.config
+    config.num_hidden_layers = num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list):
+        config.layer_types = layer_types[:num_layers]
+    return draft  # type: ignore[no-any-return]
+
+
+class DraftModelProposer(Proposer):
+    """Proposals from ``draft_model`` (sharing the target's tokenizer), decoded greedily.
+
+    Built in two steps because the engine splits one KV budget between the target's cache
+    and the draft's: construction builds the draft's executor (and learns its bytes per
+    token, ``bytes_per_token``), ``allocate_cache`` then gives it ``num_blocks`` blocks.
+    A request the draft's cache cannot hold this step gets no proposal (it decodes
+    plainly); ``max_batch_tokens`` bounds the tokens the draft catches up on per step.
+    """
+
+    def __init__(
+        self,
+        draft_model: nn.Module,
+        num_tokens: int,
+        *,
+        vocab_size: int,
+        max_batch_tokens: int = 512,
+        use_native_kernels: bool = True,
+        prepack_linear: bool | None = None,
+    ) -> None:
+        draft_model.eval()
+        self.model = draft_model
+        self.num_tokens = num_tokens
+        self.vocab_size = vocab_size  # the target's: a larger draft id is never proposed
+        self.max_batch_tokens = max_batch_tokens
+        self.runner = Executor(
+            draft_model, use_native_kernels=use_native_kernels, prepack_linear=prepack_linear
+        )
+        self.layers = self.runner.probe.layers
+        self.groups = build_groups(self.layers)
+        self.bytes_per_token = bytes_per_token(tensor_layout(self.layers, self.groups)[1])
+        self.kv: KVCacheManager | None = None
+        self._builder: BatchBuilder | None = None
+        self._sequences: dict[str, Request] = {}  # the draft's view of each request
+        # Per request: its length when last proposed for; every token before it is real.
+        self._known: dict[str, int] = {}
+        # Running averages: seconds of one guessing forward pass and of one target step.
+        self._round_seconds: float | None = None
+        self._step_seconds: float | None = None
+
+    @property
+    def token_cost(self) -> float:  # type: ignore[override]
+        """A guess's cost as a share of a target step: its verification, and a forward
+        pass of the draft as measured (a guess of the draft's first forward is counted
+        the same; before any measurement, an assumed third of a step)."""
+        if self._round_seconds is None or not self._step_seconds:
+            return VERIFY_COST + 0.3
+        return VERIFY_COST + self._round_seconds / self._step_seconds
+
+    def observe_step(self, seconds: float) -> None:
+        self._step_seconds = _average(self._step_seconds, seconds)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        device = self.runner.device
+        cache = PagedKVCache(self.layers, num_blocks, block_size, device, self.groups)
+        self.kv = KVCacheManager(
+            BlockAllocator(num_blocks), block_size, self.groups, enable_prefix_caching=False
+        )
+        self._builder = BatchBuilder(
+            cache, self.runner.probe.layer_of_module, self.runner.attention, self.groups
+        )
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        assert self.kv is not None, "allocate_cache first"
+        return self.kv.allocator
+
+    # -- proposing --------------------------------------------------------------------
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        kv = self.kv
+        assert kv is not None, "allocate_cache first"
+        requests = list(requests)
+        live = {r.request_id for r in requests}
+        for request_id in [r for r in self._sequences if r not in live]:
+            self._forget(request_id)
+        budget = self.max_batch_tokens
+        catch_up: list[tuple[Request, int, bool]] = []  # (sequence, tokens, samples)
+        wants: dict[str, int] = {}
+        for request in requests:
+            request.draft_token_ids = []
+            if budget == 0 or not eligible(request):
+                continue
+            want = _room(request, self.num_tokens)
+            if want > 0:
+                want = request.acceptance.draft_length(want, self.token_cost)
+            if want == 0:
+                continue
+            sequence = self._sync(request)
+            count = sequence.num_tokens - sequence.num_computed_tokens
+            samples = count <= budget
+            count = min(count, budget)
+            # Room for the catch-up and the k - 1 guesses computed after it.
+            extra = count + want - 1 if samples else count
+            if kv.blocks_needed(sequence, extra) > kv.num_free:
+                continue
+            if sequence.status is RequestStatus.WAITING:
+                kv.admit(sequence, [], extra)
+                sequence.status = RequestStatus.RUNNING
+            else:
+                kv.allocate_slots(sequence, extra)
+            budget -= count
+            catch_up.append((sequence, count, samples))
+            if samples:
+                wants[request.request_id] = want
+        if not catch_up:
+            return
+        proposals: dict[str, list[int]] = {}
+        guesses = self._forward(catch_up)
+        while guesses:
+            for sequence, token in guesses:
+                proposals.setdefault(sequence.request_id, []).append(token)
+            # Guess on from each guess while the request wants more and it is a real token.
+            decoding = [
+                (sequence, 1, True)
+                for sequence, token in guesses
+                if token < self.vocab_size
+                and len(proposals[sequence.request_id]) < wants[sequence.request_id]
+            ]
+            if not decoding:
+                break
+            started = time.perf_counter()
+            guesses = self._forward(decoding)
+            self._round_seconds = _average(self._round_seconds, time.perf_counter() - started)
+        by_id = {r.request_id: r for r in requests}
+        for request_id, tokens in proposals.items():
+            valid = next((i for i, t in enumerate(tokens) if t >= self.vocab_size), len(tokens))
+            by_id[request_id].draft_token_ids = tokens[:valid]
+
+    def _sync(self, request: Request) -> Request:
+        """The draft's sequence for ``request``, its tokens now the request's, the K/V it
+        computed for guesses the target did not keep rolled back."""
+        kv = self.kv
+        assert kv is not None
+        request_id = request.request_id
+        sequence = self._sequences.get(request_id)
+        if sequence is None:
+            sequence = Request(request_id, list(request.prompt_token_ids), request.params, 0)
+            self._sequences[request_id] = sequence
+        # Tokens before ``known`` were the request's own; past it the draft's guesses,
+        # kept while the target kept them. The last token is left to compute: its
+        # logits give the first guess.
+        computed = min(sequence.num_computed_tokens, request.num_tokens - 1)
+        keep = min(self._known.get(request_id, 0), computed)
+        while keep < computed and sequence.token_ids[keep] == request.token_ids[keep]:
+            keep += 1
+        if keep < sequence.num_computed_tokens:
+            sequence.num_computed_tokens = keep
+            kv.rollback(sequence, keep)
+        if kv.has_windows:  # only now: a rollback may need blocks a guess's window left
+            kv.drop_out_of_window(sequence)
+        sequence.token_ids = list(request.token_ids)
+        self._known[request_id] = request.num_tokens
+        return sequence
+
+    def _forward(self, chunks: list[tuple[Request, int, bool]]) -> list[tuple[Request, int]]:
+        """Run ``count`` tokens of each sequence from its computed ones; return the greedy
+        guess of each sequence that samples, appended to its tokens."""
+        kv, builder = self.kv, self._builder
+        assert kv is not None and builder is not None
+        plan = SchedulerOutput()
+        for sequence, count, samples in chunks:
+            start = sequence.num_computed_tokens
+            plan.scheduled.append(
+                ScheduledRequest(
+                    sequence.request_id,
+                    sequence.token_ids[start : start + count],
+                    start,
+                    [list(t) for t in kv.block_tables(sequence)],
+                    sample=samples,
+                    params=sequence.params,
+                )
+            )
+        logits = self.runner.execute(builder.build(plan))
+        tokens = logits.argmax(dim=-1).tolist() if logits.numel() else []
+        guesses: list[tuple[Request, int]] = []
+        row = 0
+        for sequence, count, samples in chunks:
+            sequence.num_computed_tokens += count
+            if samples:
+                token = int(tokens[row])
+                row += 1
+                sequence.token_ids.append(token)
+                guesses.append((sequence, token))
+        return guesses
+
+    def finish(self, request: Request) -> None:
+        if request.request_id in self._sequences:
+            self._forget(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        sequence = self._sequences.pop(request_id)
+        self._known.pop(request_id, None)
+        assert self.kv is not None
+        self.kv.free(sequence)
+
+    def close(self) -> None:
+        """Give every draft block back and the draft model its own modules (idempotent)."""
+        for request_id in list(self._sequences):
+            self._forget(request_id)
+        self.runner.close()
+
+
+def _average(mean: float | None, value: float, weight: float = 0.2) -> float:
+    return value if mean is None else mean + weight * (value - mean)
+
+
+def _room(request: Request, num_tokens: int) -> int:
+    """Guesses worth making for ``request``: at most k, and fewer near its end (the
+    scheduler verifies none past ``max_new_tokens``)."""
+    left = request.params.max_new_tokens - request.num_output_tokens - 1
+    return max(0, min(num_tokens, left))
