@@ -36,7 +36,7 @@ from .cache.paged_cache import PagedKVCache, bytes_per_token
 from .executor.runner import Executor
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
-from .speculative import VERIFY_COST, Proposer, eligible
+from .speculative import DraftAcceptance, Proposer, eligible, guess_cost
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,12 @@ class DraftModelProposer(Proposer):
     token, ``bytes_per_token``), ``allocate_cache`` then gives it ``num_blocks`` blocks.
     A request the draft's cache cannot hold this step gets no proposal (it decodes
     plainly); ``max_batch_tokens`` bounds the tokens the draft catches up on per step.
+
+    How many guesses to make is one decision per step for every request
+    (``acceptance``, over all of them): how often a draft is right is mostly the draft's
+    own quality, and a draft that is switched off for everyone (a probe now and then)
+    costs no forward pass at all, where one request probing at a time would cost one
+    nearly every step.
     """
 
     def __init__(
@@ -103,8 +109,10 @@ class DraftModelProposer(Proposer):
         max_batch_tokens: int = 512,
         use_native_kernels: bool = True,
         prepack_linear: bool | None = None,
+        adaptive: bool = True,
     ) -> None:
         draft_model.eval()
+        self.adaptive = adaptive
         self.model = draft_model
         self.num_tokens = num_tokens
         self.vocab_size = vocab_size  # the target's: a larger draft id is never proposed
@@ -120,18 +128,19 @@ class DraftModelProposer(Proposer):
         self._sequences: dict[str, Request] = {}  # the draft's view of each request
         # Per request: its length when last proposed for; every token before it is real.
         self._known: dict[str, int] = {}
+        # The draft's kept fraction over every request: k is chosen per step, for all.
+        self.acceptance = DraftAcceptance()
+        self._proposed: dict[str, tuple[int, list[int]]] = {}  # last step's guesses
         # Running averages: seconds of one guessing forward pass and of one target step.
         self._round_seconds: float | None = None
         self._step_seconds: float | None = None
 
-    @property
-    def token_cost(self) -> float:  # type: ignore[override]
-        """A guess's cost as a share of a target step: its verification, and a forward
-        pass of the draft as measured (a guess of the draft's first forward is counted
-        the same; before any measurement, an assumed third of a step)."""
+    def guess_cost(self, batch_size: int) -> float:
+        """``cbgen.speculative.guess_cost`` with the draft's forward pass as measured
+        against the target's step (before any measurement: a third of a step)."""
         if self._round_seconds is None or not self._step_seconds:
-            return VERIFY_COST + 0.3
-        return VERIFY_COST + self._round_seconds / self._step_seconds
+            return guess_cost(batch_size, 0.3)
+        return guess_cost(batch_size, self._round_seconds / self._step_seconds)
 
     def observe_step(self, seconds: float) -> None:
         self._step_seconds = _average(self._step_seconds, seconds)
@@ -160,16 +169,22 @@ class DraftModelProposer(Proposer):
         live = {r.request_id for r in requests}
         for request_id in [r for r in self._sequences if r not in live]:
             self._forget(request_id)
+        self._record_verified(requests)
         budget = self.max_batch_tokens
         catch_up: list[tuple[Request, int, bool]] = []  # (sequence, tokens, samples)
         wants: dict[str, int] = {}
         for request in requests:
             request.draft_token_ids = []
-            if budget == 0 or not eligible(request):
-                continue
-            want = _room(request, self.num_tokens)
-            if want > 0:
-                want = request.acceptance.draft_length(want, self.token_cost)
+        chances = [r for r in requests if eligible(r)]
+        # This step's k for every request, from the draft's kept fraction and cost.
+        length = self.num_tokens
+        if chances and self.adaptive:
+            cost = self.guess_cost(len(chances))
+            length = self.acceptance.draft_length(self.num_tokens, cost)
+        for request in chances:
+            if budget == 0:
+                break
+            want = min(length, _room(request, self.num_tokens))
             if want == 0:
                 continue
             sequence = self._sync(request)
@@ -211,7 +226,23 @@ class DraftModelProposer(Proposer):
         by_id = {r.request_id: r for r in requests}
         for request_id, tokens in proposals.items():
             valid = next((i for i, t in enumerate(tokens) if t >= self.vocab_size), len(tokens))
-            by_id[request_id].draft_token_ids = tokens[:valid]
+            request = by_id[request_id]
+            request.draft_token_ids = tokens[:valid]
+            self._proposed[request_id] = (request.num_tokens, request.draft_token_ids)
+
+    def _record_verified(self, requests: list[Request]) -> None:
+        """Count how many of last step's guesses the target kept (a request that did not
+        advance was not verified: it counts for nothing)."""
+        for request in requests:
+            proposed = self._proposed.pop(request.request_id, None)
+            if proposed is None or request.num_tokens <= proposed[0]:
+                continue
+            known, guesses = proposed
+            new = request.token_ids[known:]
+            kept = 0
+            while kept < min(len(guesses), len(new) - 1) and guesses[kept] == new[kept]:
+                kept += 1
+            self.acceptance.record(min(len(guesses), len(new)), kept)
 
     def _sync(self, request: Request) -> Request:
         """The draft's sequence for ``request``, its tokens now the request's, the K/V it
@@ -277,6 +308,7 @@ class DraftModelProposer(Proposer):
     def _forget(self, request_id: str) -> None:
         sequence = self._sequences.pop(request_id)
         self._known.pop(request_id, None)
+        self._proposed.pop(request_id, None)
         assert self.kv is not None
         self.kv.free(sequence)
 

@@ -100,7 +100,7 @@ class EngineCore:
         draft: DraftModelProposer | None = None
         if spec is not None:
             if draft_model is None:
-                self.proposer = NgramProposer(spec.num_tokens)
+                self.proposer = NgramProposer(spec.num_tokens, adaptive=spec.adaptive)
             else:
                 self.proposer = draft = DraftModelProposer(
                     draft_model,
@@ -109,6 +109,7 @@ class EngineCore:
                     max_batch_tokens=config.max_batch_tokens,
                     use_native_kernels=config.use_native_kernels,
                     prepack_linear=config.prepack_linear,
+                    adaptive=spec.adaptive,
                 )
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
@@ -293,7 +294,7 @@ class EngineCore:
             outputs = self._settle_in_flight()
             in_flight = None
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            self._propose()
         scheduled = self.scheduler.schedule()
         if scheduled.swap_out or scheduled.swap_in:
             if in_flight is not None:  # the copies read K/V the step in flight writes
@@ -317,10 +318,29 @@ class EngineCore:
         return outputs
 
     def _proposing(self) -> bool:
-        """Whether a running request takes proposals (``SamplingParams.speculative``)."""
-        return self.proposer is not None and any(
-            r.params.speculative for r in self.scheduler.running
+        """Whether this step makes proposals: a running request takes them
+        (``SamplingParams.speculative``) and the batch is small enough."""
+        return (
+            self.proposer is not None
+            and self._speculation_pays()
+            and any(r.params.speculative for r in self.scheduler.running)
         )
+
+    def _speculation_pays(self) -> bool:
+        """Fewer requests run than ``SpeculativeConfig.disable_batch_size``: past it a
+        step is bound by compute, and verifying guesses costs more than it saves."""
+        spec = self.config.speculative
+        limit = spec.disable_batch_size if spec is not None else None
+        return limit is None or len(self.scheduler.running) < limit
+
+    def _propose(self) -> None:
+        assert self.proposer is not None
+        running = self.scheduler.running
+        if self._speculation_pays():
+            self.proposer.propose(running)
+        else:
+            for request in running:
+                request.draft_token_ids = []
 
     def _settle_in_flight(self) -> list[RequestOutput]:
         in_flight = self._in_flight

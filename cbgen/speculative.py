@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from .request import Request
 
 METHODS = ("ngram", "draft", "layer_skip")
-# The cost of verifying one more token, as a share of a step (SmolLM2, 1-8 requests,
-# CPU: a decode step is bound by reading the weights, which the extra rows share).
+# What verifying one more token costs, as a share of a step, per token: a step of b
+# decoding requests that verifies g guesses takes about (1 + VERIFY_COST * g) times a
+# plain step (SmolLM2, CPU, 2 threads: 1 to 8 requests, 4 guesses each).
 VERIFY_COST = 0.05
 
 
@@ -39,13 +40,24 @@ class SpeculativeConfig:
     the target's device, with a paged KV cache of its own (``cbgen.draft``).
     ``method="layer_skip"`` does the same with the target's first ``num_layers`` layers
     (its weights shared; ``None``: a quarter of them), the draft that needs no second
-    checkpoint. ``num_tokens`` is k, the most tokens proposed per request and step.
+    checkpoint. ``num_tokens`` is k, the most tokens proposed per request and step;
+    with ``adaptive`` (the default) fewer are made while guesses are often wrong or
+    cost more than they save (``DraftAcceptance``, ``guess_cost``), ``adaptive=False``
+    always makes k.
+
+    ``disable_batch_size``: no proposals while this many requests or more are running
+    (``None``: any number). A larger batch makes a step bound by compute instead of by
+    reading the weights, and verifying guesses then costs more than it saves: on the
+    bundled SmolLM2 (CPU, 2 threads, ``bench/speculative.py``) prompt lookup stops
+    paying at 16 requests.
     """
 
     method: str = "ngram"
     num_tokens: int = 4
     draft_model: Any = None
     num_layers: int | None = None
+    disable_batch_size: int | None = 16
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -63,6 +75,16 @@ class SpeculativeConfig:
             or self.num_layers < 1
         ):
             raise ValueError(f"num_layers must be an int >= 1 or None, got {self.num_layers!r}")
+        if self.disable_batch_size is not None and (
+            isinstance(self.disable_batch_size, bool)
+            or not isinstance(self.disable_batch_size, int)
+            or self.disable_batch_size < 1
+        ):
+            raise ValueError(
+                f"disable_batch_size must be an int >= 1 or None, got {self.disable_batch_size!r}"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
         if self.method != "layer_skip" and self.num_layers is not None:
             raise ValueError(f"num_layers is for method='layer_skip', not {self.method!r}")
         if (
@@ -81,9 +103,8 @@ class DraftAcceptance:
     rejection if ``m < n``: the kept fraction ``rate = kept / (kept + rejected)``
     estimates the chance that a guess is kept given the ones before it were (older
     verifications fade by ``DECAY`` each). The j-th guess is kept with chance
-    ``rate ** j``, and it costs ``token_cost`` (a share of a step: verifying it, and
-    for a draft model computing it); ``draft_length`` makes guesses while that chance
-    exceeds their cost. At length 0 a request still makes one guess after
+    ``rate ** j``; ``draft_length`` makes guesses while that chance exceeds their cost
+    (``guess_cost``). At length 0 a request still makes one guess after
     ``PROBE_EVERY`` chances, then after twice as many each time the probe changes
     nothing (up to ``MAX_PROBE_EVERY``), so a rate that recovers is seen and a draft
     that never fits costs little. The output processor records verifications
@@ -108,16 +129,16 @@ class DraftAcceptance:
             self.kept = self.DECAY * self.kept + kept
             self.rejected = self.DECAY * self.rejected + (1 if kept < verified else 0)
 
-    def draft_length(self, most: int, token_cost: float) -> int:
+    def draft_length(self, most: int, cost: float) -> int:
         """Guesses worth making now: the largest ``k <= most`` with ``rate ** k``
-        above ``token_cost`` (0 when even one is not worth it, but for the probes)."""
+        above ``cost`` (0 when even one is not worth it, but for the probes)."""
         rate = self.rate
-        if rate >= 1.0 or token_cost <= 0.0:
+        if rate >= 1.0 or cost <= 0.0:
             k = most
-        elif rate <= token_cost:
+        elif rate <= cost:
             k = 0
         else:
-            k = min(most, int(math.log(token_cost) / math.log(rate)))
+            k = min(most, int(math.log(cost) / math.log(rate)))
         if k == 0:
             self.idle += 1
             if self.idle >= self.probe_every:
@@ -135,13 +156,12 @@ class Proposer:
 
     ``propose`` sees every running request; it must leave ``draft_token_ids`` empty for
     those that are not ``eligible`` (stale proposals would only waste a verification).
-    It makes at most ``num_tokens`` guesses per request, fewer as the request's
-    ``acceptance`` says (``DraftAcceptance``) with ``token_cost``, its cost per guess
-    as a share of a step.
+    It makes at most ``num_tokens`` guesses per request, fewer as their kept fraction
+    (``DraftAcceptance``) and their cost (``guess_cost``) say, unless not ``adaptive``.
     """
 
     num_tokens: int
-    token_cost: float = VERIFY_COST
+    adaptive: bool = True
 
     def propose(self, requests: Iterable[Request]) -> None:
         raise NotImplementedError
@@ -171,31 +191,51 @@ def eligible(request: Request) -> bool:
     )
 
 
+def guess_cost(batch_size: int, draft_seconds: float = 0.0) -> float:
+    """The cost of each request making one more guess this step, against what a kept
+    guess saves, both as shares of a step of ``batch_size`` requests.
+
+    A kept guess is one more token without a step of its own: in a batch of b requests
+    that is 1/b of a step's tokens, so guesses for all b of them, each kept with chance
+    p, save p of a step. Verifying them costs ``b * VERIFY_COST`` of a step, and a draft
+    model's forward pass for them ``draft_seconds`` (as a share of a step). Guessing
+    pays while ``p`` is above the sum, which grows with the batch: past a few requests
+    on CPU a step is bound by compute, not by reading the weights, and guesses stop
+    paying (``SpeculativeConfig.disable_batch_size`` then skips proposing at all)."""
+    return batch_size * VERIFY_COST + draft_seconds
+
+
 class NgramProposer(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the request's last ``n``
     tokens (``n`` from ``max_ngram`` down to ``min_ngram``) in its prompt and output, and
     propose the (up to) ``num_tokens`` tokens that followed it. No match, no proposal.
-    A guess costs only its verification (``VERIFY_COST``).
+    A guess costs only its verification (``guess_cost`` with no draft).
 
     One numpy pass per request and step: candidates are the earlier positions holding
     the last token, narrowed by one token of context per ``n``, so the cost is linear
     in the request's length with a small constant."""
 
-    def __init__(self, num_tokens: int, min_ngram: int = 2, max_ngram: int = 4) -> None:
+    def __init__(
+        self, num_tokens: int, min_ngram: int = 2, max_ngram: int = 4, adaptive: bool = True
+    ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.num_tokens = num_tokens
+        self.adaptive = adaptive
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
 
     def propose(self, requests: Iterable[Request]) -> None:
+        found: list[tuple[Request, list[int]]] = []
         for request in requests:
             request.draft_token_ids = []
             if eligible(request):
-                found = self.lookup(request.token_ids)
-                if found:  # only a match is a chance to guess
-                    k = request.acceptance.draft_length(self.num_tokens, self.token_cost)
-                    request.draft_token_ids = found[:k]
+                guesses = self.lookup(request.token_ids)
+                if guesses:  # only a match is a chance to guess
+                    found.append((request, guesses))
+        cost = guess_cost(len(found)) if self.adaptive else 0.0
+        for request, guesses in found:
+            request.draft_token_ids = guesses[: request.acceptance.draft_length(len(guesses), cost)]
 
     def lookup(self, token_ids: list[int]) -> list[int]:
         """The proposal for a sequence ending in ``token_ids[-1]`` (empty: no match)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from .speculative import METHODS, SpeculativeConfig
 
@@ -33,24 +34,64 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """The flags' ``SpeculativeConfig`` (None: off); loads the draft model if one is named."""
+def speculative_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The flags as JSON-ready settings (None: off), checked: ``build_speculative`` makes
+    the ``SpeculativeConfig``, in this process or in a benchmark worker."""
     if args.speculative is None:
         return None
     draft_model = None
     if args.speculative == "draft":
-        from .models import load_model
-
-        name = args.draft_model or args.model
-        if name == args.model and args.draft_quantization is None:
+        draft_model = args.draft_model or args.model
+        if draft_model == args.model and args.draft_quantization is None:
             raise ValueError(
                 "--speculative draft needs --draft-model, or --draft-quantization for a "
                 "quantized copy of the model itself"
             )
-        draft_model, _ = load_model(name, quantization=args.draft_quantization, tokenizer=False)
+    settings = {
+        "method": args.speculative,
+        "num_tokens": args.num_speculative_tokens,
+        "num_layers": args.speculative_layers if args.speculative == "layer_skip" else None,
+        "draft_model": draft_model,
+        "draft_quantization": args.draft_quantization if draft_model else None,
+    }
+    if draft_model is None:
+        build_speculative(settings)  # the config's own checks, now
+    return settings
+
+
+def build_speculative(settings: dict[str, Any] | None) -> SpeculativeConfig | None:
+    """The ``SpeculativeConfig`` of ``speculative_settings``; loads the draft model."""
+    if settings is None:
+        return None
+    draft = None
+    if settings.get("draft_model"):
+        from .models import load_model
+
+        quantization = settings.get("draft_quantization")
+        draft, _ = load_model(settings["draft_model"], quantization=quantization, tokenizer=False)
     return SpeculativeConfig(
-        method=args.speculative,
-        num_tokens=args.num_speculative_tokens,
-        draft_model=draft_model,
-        num_layers=args.speculative_layers if args.speculative == "layer_skip" else None,
+        method=settings["method"],
+        num_tokens=settings["num_tokens"],
+        draft_model=draft,
+        num_layers=settings.get("num_layers"),
     )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The flags' ``SpeculativeConfig`` (None: off); loads the draft model if one is named."""
+    return build_speculative(speculative_settings(args))
+
+
+def describe(settings: dict[str, Any] | None) -> str:
+    """One line for a report: the method and its knobs."""
+    if settings is None:
+        return "off"
+    parts = [settings["method"], f"k={settings['num_tokens']}"]
+    if settings.get("num_layers"):
+        parts.append(f"{settings['num_layers']} layers")
+    if settings.get("draft_model"):
+        quantization = settings.get("draft_quantization")
+        parts.append(
+            f"draft {settings['draft_model']}" + (f" {quantization}" if quantization else "")
+        )
+    return ", ".join(parts)

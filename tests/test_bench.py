@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,13 +11,20 @@ import sys
 import pytest
 from conftest import random_prompts
 
-from cbgen import EngineConfig, EngineCore
+from cbgen import EngineConfig, EngineCore, SpeculativeConfig
 from cbgen.bench import metrics
 from cbgen.bench.harness import parse_cpus, parse_engine_options, run_process
 from cbgen.bench.peers import Peer
+from cbgen.bench.report import speculation_line
 from cbgen.bench.systems import run_cbgen
 from cbgen.bench.workloads import build_workload, load_tokenizer, workload_names
 from cbgen.cli import main
+from cbgen.speculative_args import (
+    add_speculative_arguments,
+    build_speculative,
+    describe,
+    speculative_settings,
+)
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +211,39 @@ def test_bench_list(capsys):
 
 
 # -- the harness end to end ----------------------------------------------------------------
+
+
+def test_a_speculating_cbgen_run_reports_its_guesses(llama):
+    prompts = [p + p for p in random_prompts(3, 6, 10, seed=5)]
+    spec = SpeculativeConfig(method="layer_skip", num_layers=1)
+    run = run_cbgen(llama, prompts, 12, EngineConfig(block_size=8, speculative=spec))
+    counts = run.config["speculation"]
+    assert counts["spec_proposed_tokens"] >= counts["spec_accepted_tokens"] >= 0
+    assert counts["spec_verifications"] > 0
+    assert run.config["engine_config"]["speculative"] == "layer_skip, k=4"
+    json.dumps(run.config)  # the worker sends it back as JSON
+    line = speculation_line({"systems": {"cbgen": {"config": run.config}}})[0]
+    assert line.startswith("cbgen speculative decoding (layer_skip, k=4): ")
+    assert f"{counts['spec_proposed_tokens']} guesses verified" in line
+
+
+def test_speculative_flags_make_settings_a_worker_can_build():
+    parser = argparse.ArgumentParser()
+    add_speculative_arguments(parser)
+    parser.add_argument("--model", default="smollm2")
+    assert speculative_settings(parser.parse_args([])) is None
+    args = parser.parse_args(["--speculative", "layer_skip", "--speculative-layers", "3"])
+    settings = speculative_settings(args)
+    assert describe(settings) == "layer_skip, k=4, 3 layers"
+    assert build_speculative(json.loads(json.dumps(settings))).num_layers == 3
+    args = parser.parse_args(["--speculative", "draft", "--draft-quantization", "int4"])
+    assert describe(speculative_settings(args)) == "draft, k=4, draft smollm2 int4"
+    with pytest.raises(ValueError, match="--draft-model"):
+        speculative_settings(parser.parse_args(["--speculative", "draft"]))
+    with pytest.raises(ValueError, match="num_tokens"):
+        speculative_settings(
+            parser.parse_args(["--speculative", "ngram", "--num-speculative-tokens", "0"])
+        )
 
 
 def test_quick_bench_writes_json_markdown_and_chart(tmp_path):

@@ -32,10 +32,17 @@ def _echo_prompts(model, count: int, seed: int) -> list[list[int]]:
 
 def _drafts(model, arch: str) -> dict[str, SpeculativeConfig]:
     return {
-        "layer_skip": SpeculativeConfig(method="layer_skip", num_layers=1),
-        "same": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(model)),
-        "other": SpeculativeConfig(method="draft", draft_model=make_tiny_model(arch, seed=3)),
+        "layer_skip": _layer_skip(),
+        "same": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(model), adaptive=False),
+        "other": SpeculativeConfig(
+            method="draft", draft_model=make_tiny_model(arch, seed=3), adaptive=False
+        ),
     }
+
+
+def _layer_skip() -> SpeculativeConfig:
+    """Guesses from the target's first layer, k always 4: many guesses, most wrong."""
+    return SpeculativeConfig(method="layer_skip", num_layers=1, adaptive=False)
 
 
 def _run(model, prompts, spec, params=None, **overrides):
@@ -59,7 +66,7 @@ def _run(model, prompts, spec, params=None, **overrides):
 def test_layer_skip_output_matches_generate(arch):
     model = make_tiny_model(arch)
     prompts = _echo_prompts(model, 3, seed=7)
-    spec = SpeculativeConfig(method="layer_skip", num_layers=1)
+    spec = _layer_skip()
     outputs, stats = _run(model, prompts, spec)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
@@ -76,7 +83,7 @@ def test_draft_model_output_matches_generate(arch, draft):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
     if draft == "same":  # the target's own guesses: all kept
         assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0, stats
-        assert stats["spec_mean_accepted_length"] > 2
+        assert stats["spec_mean_accepted_length"] > 4
     else:
         assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
 
@@ -96,7 +103,7 @@ def test_draft_model_output_matches_generate(arch, draft):
 def test_exact_under_chunking_preemption_caching_and_async(arch, overrides):
     model = make_tiny_model(arch)
     prompts = _echo_prompts(model, 5, seed=11)
-    spec = SpeculativeConfig(method="layer_skip", num_layers=1)
+    spec = _layer_skip()
     outputs, stats = _run(model, prompts, spec, **overrides)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
@@ -129,7 +136,7 @@ def test_a_second_request_on_the_same_prefix_gets_the_same_output():
 
 def test_aborted_and_finished_requests_give_back_draft_blocks():
     model = make_tiny_model("llama")
-    spec = SpeculativeConfig(method="layer_skip", num_layers=1)
+    spec = _layer_skip()
     with EngineCore(model, EngineConfig(block_size=4, num_blocks=64, speculative=spec)) as engine:
         proposer = engine.proposer
         assert isinstance(proposer, DraftModelProposer)
@@ -151,7 +158,8 @@ def test_a_draft_with_a_larger_vocabulary_never_proposes_past_the_targets():
     with torch.no_grad():
         draft.lm_head.weight[256:] *= 50
     prompts = _echo_prompts(model, 3, seed=5)
-    outputs, stats = _run(model, prompts, SpeculativeConfig(method="draft", draft_model=draft))
+    spec = SpeculativeConfig(method="draft", draft_model=draft, adaptive=False)
+    outputs, stats = _run(model, prompts, spec)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
 
@@ -185,3 +193,20 @@ def test_a_draft_must_be_another_model_on_the_same_device():
         EngineCore(model, EngineConfig(num_blocks=16, speculative=spec))
     # The failed engine gave the model its own attention back.
     assert model.config._attn_implementation != "cbgen_paged"
+
+
+def test_adaptive_k_nearly_stops_guessing_with_a_draft_that_is_always_wrong():
+    model = make_tiny_model("llama")
+    prompts = _echo_prompts(model, 2, seed=9)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    proposed = {}
+    for adaptive in (False, True):
+        draft = make_tiny_model("llama", seed=3)
+        spec = SpeculativeConfig(method="draft", draft_model=draft, adaptive=adaptive)
+        outputs, stats = _run(model, prompts, spec, params, max_batch_tokens=256)
+        assert stats["spec_accepted_tokens"] <= 2  # guesses of other random weights
+        proposed[adaptive] = stats["spec_proposed_tokens"]
+        assert all(len(out.token_ids) == 64 for out in outputs)
+    # Fixed k: 4 guesses a step. Adaptive: a few at first, then probes ever further apart.
+    assert proposed[False] > 4 * 50
+    assert 0 < proposed[True] < proposed[False] / 8

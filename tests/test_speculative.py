@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
 from cbgen.request import Request
-from cbgen.speculative import VERIFY_COST, DraftAcceptance, NgramProposer
+from cbgen.speculative import DraftAcceptance, NgramProposer, guess_cost
 
 MAX_NEW = 24
 
@@ -52,12 +52,13 @@ def _run(model, prompts, config, params=None, proposer=None):
 def _spec(**overrides) -> EngineConfig:
     base = dict(block_size=4, num_blocks=128, max_batch_tokens=64)
     base.update(overrides)
-    return EngineConfig(speculative=SpeculativeConfig(num_tokens=4), **base)
+    spec = SpeculativeConfig(num_tokens=4, disable_batch_size=None, adaptive=False)
+    return EngineConfig(speculative=spec, **base)
 
 
 def _eager() -> NgramProposer:
     """Matches on a single token: many proposals, many of them wrong."""
-    return NgramProposer(4, min_ngram=1, max_ngram=3)
+    return NgramProposer(4, min_ngram=1, max_ngram=3, adaptive=False)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -176,7 +177,9 @@ def test_sampling_keeps_the_target_distribution(proposer):
     samples = 400
     counts = []
     draft = make_tiny_model("llama", seed=5, vocab_size=vocab, pad_token_id=0, bos_token_id=1)
-    spec = SpeculativeConfig(method="draft", num_tokens=2, draft_model=draft)
+    spec = SpeculativeConfig(
+        method="draft", num_tokens=2, draft_model=draft, disable_batch_size=None, adaptive=False
+    )
     for speculate in (False, True):
         config = EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=samples)
         if speculate and proposer == "draft":
@@ -193,7 +196,7 @@ def test_sampling_keeps_the_target_distribution(proposer):
         ]
         with EngineCore(model, config) as engine:
             if speculate and proposer == "ngram":
-                engine.proposer = NgramProposer(2, min_ngram=1, max_ngram=2)
+                engine.proposer = NgramProposer(2, min_ngram=1, max_ngram=2, adaptive=False)
             for seed, params in enumerate(params_list):
                 engine.add_request(prompt, params, str(seed))
             while engine.has_unfinished():
@@ -234,6 +237,8 @@ def test_config_names_what_is_wrong():
         SpeculativeConfig(method="layer_skip", num_layers=0)
     with pytest.raises(ValueError, match="num_layers is for"):
         SpeculativeConfig(method="ngram", num_layers=2)
+    with pytest.raises(ValueError, match="disable_batch_size"):
+        SpeculativeConfig(disable_batch_size=0)
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative=1).validate()  # type: ignore[arg-type]
 
@@ -242,7 +247,7 @@ def test_draft_length_follows_the_kept_fraction():
     sure = DraftAcceptance()
     for _ in range(20):
         sure.record(4, 4)
-    assert sure.rate > 0.95 and sure.draft_length(4, VERIFY_COST) == 4
+    assert sure.rate > 0.95 and sure.draft_length(4, guess_cost(1)) == 4
     hopeless = DraftAcceptance()
     for _ in range(20):
         hopeless.record(4, 0)
@@ -275,3 +280,23 @@ def test_draft_length_stays_in_range_and_falls_with_cost(verifications, most, co
     cheaper = DraftAcceptance(acceptance.kept, acceptance.rejected)
     dearer = DraftAcceptance(acceptance.kept, acceptance.rejected)
     assert cheaper.draft_length(most, cost / 2) >= dearer.draft_length(most, cost)
+
+
+@pytest.mark.parametrize("limit", [4, None])
+def test_no_proposals_while_the_batch_is_too_large(limit):
+    """Six requests of equal length run together: with ``disable_batch_size=4`` none is
+    ever proposed for (they finish together); without a limit they are."""
+    model = make_tiny_model("llama")
+    prompts = _echo_prompts(model, 6, seed=3)
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=256,
+        speculative=SpeculativeConfig(num_tokens=4, disable_batch_size=limit),
+    )
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    outputs, stats = _run(model, prompts, config, params, proposer=_eager())
+    if limit is None:
+        assert stats["spec_proposed_tokens"] > 0
+    else:
+        assert stats["spec_proposed_tokens"] == 0
+    assert all(len(out.token_ids) == MAX_NEW for out in outputs)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
+from ..speculative_args import add_speculative_arguments
 from .peers import PEERS
 from .systems import SYSTEMS
 
@@ -88,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["sdpa", "eager"],
         help="generate_batch_tuned attention: sdpa or eager (paged|eager); default the model's",
     )
+
+    add_speculative_arguments(parser)
 
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, help="output folder (default bench/results/<timestamp>/)")

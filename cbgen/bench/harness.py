@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from ..config import EngineConfig
+from ..speculative_args import describe, speculative_settings
 from ..sysmem import cpu_name, meminfo_kib
 from . import metrics
 from .args import DEFAULT_REPEATS, add_arguments, parse_cpus, parse_engine_options, split_list
@@ -64,6 +65,7 @@ class Bench:
         self.engine_config.update(parse_engine_options(args.engine_option))
         try:
             EngineConfig(**self.engine_config)  # validate early
+            self.speculative = speculative_settings(args)
         except (TypeError, ValueError) as exc:
             raise SystemExit(f"cbgen bench: bad engine settings: {exc}") from None
         self.notes: list[str] = []
@@ -89,6 +91,7 @@ class Bench:
             "warmup": not self.args.no_warmup,
             "options": {
                 "engine_config": self.engine_config,
+                "speculative": self.speculative,
                 "generate_batch_size": self.args.generate_batch_size,
                 "tuned_page_size": self.args.tuned_page_size,
                 "tuned_attn": self.args.tuned_attn,
@@ -225,6 +228,7 @@ class Bench:
             "quick": self.quick,
             "isolation": isolation,
             "engine_config": self.engine_config,
+            "speculative": describe(self.speculative),
             "generate_batch_size": self.args.generate_batch_size,
             "tuned_page_size": self.args.tuned_page_size,
             "versions": versions(),

@@ -58,6 +58,24 @@ def workload_table(workload: dict[str, Any]) -> list[str]:
     return lines
 
 
+def speculation_line(workload: dict[str, Any]) -> list[str]:
+    """cbgen's guesses on this workload (its first repeat), when it speculated."""
+    config = (workload["systems"].get("cbgen") or {}).get("config") or {}
+    counts = config.get("speculation")
+    if not counts:
+        return []
+    proposed, accepted = counts["spec_proposed_tokens"], counts["spec_accepted_tokens"]
+    verifications = counts["spec_verifications"]
+    kept = f"{accepted / proposed:.0%}" if proposed else "–"
+    mean = f"{1 + accepted / verifications:.2f}" if verifications else "–"
+    return [
+        f"cbgen speculative decoding ({config['engine_config'].get('speculative')}): "
+        f"{proposed} guesses verified, {kept} kept, mean accepted length {mean} "
+        "(tokens per verification, the sampled one included).",
+        "",
+    ]
+
+
 def summary_table(results: dict[str, Any]) -> list[str]:
     """One row per workload: cbgen's output tok/s and its ratio to each baseline."""
     baselines = [
@@ -101,8 +119,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"- model {meta['model']}, {meta['dtype']}"
         f"{' + ' + meta['quantization'] if meta.get('quantization') else ''}; "
         f"repeats {meta['repeats']} (medians shown)" + (", quick" if meta["quick"] else ""),
-        f"- cbgen EngineConfig: {meta['engine_config']}; generate batch size "
-        f"{meta['generate_batch_size']}",
+        f"- cbgen EngineConfig: {meta['engine_config']}; speculative decoding: "
+        f"{meta.get('speculative', 'off')}; generate batch size {meta['generate_batch_size']}",
         f"- versions: {meta['versions']}",
         f"- peak RSS: {meta['rss_note']}",
         "- TTFT counts from the start of the run (every request arrives at once); ITL is the "
@@ -122,6 +140,7 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             *workload_table(workload),
             "",
+            *speculation_line(workload),
         ]
     lines += ["## Summary", "", *summary_table(results), ""]
     for note in results.get("notes", []):

@@ -31,6 +31,7 @@ import torch
 from ..config import EngineConfig
 
 SYSTEMS = ("cbgen", "generate", "generate_batch", "generate_batch_tuned")
+SPEC_COUNTS = ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications")
 PEERS = ("vllm", "llamacpp")
 
 
@@ -53,6 +54,7 @@ class Run:
     prompt_tokens: list[int]
     config: dict[str, Any] = field(default_factory=dict)
     setup_s: float | None = None  # building the engine, inside wall_s (no reused engine)
+    speculation: dict[str, int] = field(default_factory=dict)  # cbgen: this run's spec_* counts
 
     def raw(self) -> dict[str, Any]:
         """The raw record of ``cbgen.bench.metrics`` (token ids are kept separately)."""
@@ -117,12 +119,16 @@ def run_cbgen(
             run = _drive(built, prompts, max_new_tokens, started)
         run.wall_s = time.perf_counter() - started
         run.setup_s = setup
-    # JSON-ready: a torch dtype (kv_cache_dtype) as its name.
+    # JSON-ready: a torch dtype (kv_cache_dtype) as its name, speculation by its method.
     settings = {
         k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
         for k, v in vars(config).items()
+        if k != "speculative"
     }
     run.config = {"engine_config": settings}
+    if config.speculative is not None:
+        settings["speculative"] = f"{config.speculative.method}, k={config.speculative.num_tokens}"
+        run.config["speculation"] = run.speculation
     return run
 
 
@@ -132,6 +138,7 @@ def _drive(
     from ..sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    before = {k: v for k, v in engine.stats.items() if k in SPEC_COUNTS}
     times: list[list[float]] = [[] for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
     for index, prompt in enumerate(prompts):
@@ -143,7 +150,9 @@ def _drive(
             index = int(output.request_id)
             times[index].extend([now] * len(output.new_token_ids))
             ids[index].extend(output.new_token_ids)
-    return Run(time.perf_counter() - started, times, ids, [len(p) for p in prompts])
+    run = Run(time.perf_counter() - started, times, ids, [len(p) for p in prompts])
+    run.speculation = {k: engine.stats.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTS}
+    return run
 
 
 # -- model.generate ------------------------------------------------------------------------

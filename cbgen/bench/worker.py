@@ -43,6 +43,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
     from ..config import EngineConfig
     from ..models import load_model
+    from ..speculative_args import build_speculative
     from .systems import SystemOptions
 
     _quiet_transformers()
@@ -83,7 +84,10 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     system = spec["system"]
     raw_options = spec.get("options", {})
     options = SystemOptions(
-        engine_config=EngineConfig(**raw_options.get("engine_config", {})),
+        engine_config=EngineConfig(
+            **raw_options.get("engine_config", {}),
+            speculative=build_speculative(raw_options.get("speculative")),
+        ),
         generate_batch_size=int(raw_options.get("generate_batch_size", 8)),
         tuned_page_size=raw_options.get("tuned_page_size"),
         tuned_attn=raw_options.get("tuned_attn"),
