@@ -36,7 +36,7 @@ from .cache.paged_cache import PagedKVCache, bytes_per_token
 from .executor.runner import Executor
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
-from .speculative import DraftAcceptance, Proposer, eligible, guess_cost
+from .speculative import VERIFY_COST, DraftAcceptance, Proposer, eligible, guess_cost
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ class DraftModelProposer(Proposer):
         # The draft's kept fraction over every request: k is chosen per step, for all.
         self.acceptance = DraftAcceptance()
         self._proposed: dict[str, tuple[int, list[int]]] = {}  # last step's guesses
-        # Running averages: seconds of one guessing forward pass and of one target step.
+        # Running averages: the draft's seconds per guess (a forward pass for every
+        # request at once) and a plain target step's seconds.
         self._round_seconds: float | None = None
         self._step_seconds: float | None = None
 
@@ -142,8 +143,11 @@ class DraftModelProposer(Proposer):
             return guess_cost(batch_size, 0.3)
         return guess_cost(batch_size, self._round_seconds / self._step_seconds)
 
-    def observe_step(self, seconds: float) -> None:
-        self._step_seconds = _average(self._step_seconds, seconds)
+    def observe_step(self, seconds: float, guesses: int) -> None:
+        # What the step would have taken without its guesses: those are the cost that
+        # ``guess_cost`` adds on its own, and a kept guess saves a plain step's share.
+        plain = seconds / (1.0 + VERIFY_COST * guesses)
+        self._step_seconds = _average(self._step_seconds, plain)
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         device = self.runner.device
@@ -207,7 +211,9 @@ class DraftModelProposer(Proposer):
         if not catch_up:
             return
         proposals: dict[str, list[int]] = {}
+        started = time.perf_counter()
         guesses = self._forward(catch_up)
+        rounds = 1
         while guesses:
             for sequence, token in guesses:
                 proposals.setdefault(sequence.request_id, []).append(token)
@@ -220,9 +226,13 @@ class DraftModelProposer(Proposer):
             ]
             if not decoding:
                 break
-            started = time.perf_counter()
             guesses = self._forward(decoding)
-            self._round_seconds = _average(self._round_seconds, time.perf_counter() - started)
+            rounds += 1
+        # A guess's cost: the forward passes of the step per guess made, the catch-up on
+        # the tokens kept since the last step included (not a first prompt's: once only).
+        if all(count <= self.num_tokens + 1 for _, count, _ in catch_up):
+            seconds = (time.perf_counter() - started) / rounds
+            self._round_seconds = _average(self._round_seconds, seconds)
         by_id = {r.request_id: r for r in requests}
         for request_id, tokens in proposals.items():
             valid = next((i for i, t in enumerate(tokens) if t >= self.vocab_size), len(tokens))
@@ -257,8 +267,9 @@ class DraftModelProposer(Proposer):
         # Tokens before ``known`` were the request's own; past it the draft's guesses,
         # kept while the target kept them. The last token is left to compute: its
         # logits give the first guess.
+        known = self._known.get(request_id, 0)
         computed = min(sequence.num_computed_tokens, request.num_tokens - 1)
-        keep = min(self._known.get(request_id, 0), computed)
+        keep = min(known, computed)
         while keep < computed and sequence.token_ids[keep] == request.token_ids[keep]:
             keep += 1
         if keep < sequence.num_computed_tokens:
@@ -266,7 +277,8 @@ class DraftModelProposer(Proposer):
             kv.rollback(sequence, keep)
         if kv.has_windows:  # only now: a rollback may need blocks a guess's window left
             kv.drop_out_of_window(sequence)
-        sequence.token_ids = list(request.token_ids)
+        del sequence.token_ids[known:]  # the guesses; the request's tokens before them
+        sequence.token_ids.extend(request.token_ids[known:])
         self._known[request_id] = request.num_tokens
         return sequence
 

@@ -388,7 +388,11 @@ class EngineCore:
             return sample_step(self.sampler, batch, self.runner.execute(batch), bitmask)
         started = time.perf_counter()
         logits = self.runner.execute(batch)
-        self.proposer.observe_step(time.perf_counter() - started)
+        # Only a decoding step measures one: every input token is a sampled row (the
+        # last token and each guess), no prompt chunk in it.
+        if batch.input_ids.shape[1] == len(batch.sampled):
+            guesses = len(batch.sampled) - len({s.request_id for s in batch.sampled})
+            self.proposer.observe_step(time.perf_counter() - started, guesses)
         return sample_step(self.sampler, batch, logits, bitmask)
 
     def _settle(self, pending: PendingSamples, sampled: SamplerOutput) -> list[RequestOutput]:

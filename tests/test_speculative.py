@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
+from cbgen.bench.workloads import chat_token_ids
 from cbgen.request import Request
 from cbgen.speculative import DraftAcceptance, NgramProposer, guess_cost
 
@@ -80,8 +81,9 @@ def test_greedy_output_matches_generate_with_ngram_speculation(arch):
         dict(num_blocks=20, max_batch_tokens=24),  # preemption, recomputed
         dict(num_blocks=20, max_batch_tokens=24, preemption_mode="swap"),
         dict(enable_prefix_caching=False),
+        dict(async_scheduling=True),
     ],
-    ids=["chunked", "recompute", "swap", "no-prefix-cache"],
+    ids=["chunked", "recompute", "swap", "no-prefix-cache", "async"],
 )
 @pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
 def test_exact_under_chunking_preemption_and_caching(arch, overrides):
@@ -143,6 +145,27 @@ def test_a_request_can_opt_out():
     assert stats["spec_proposed_tokens"] == 0 and stats["spec_verifications"] == 0
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
+
+
+def test_stop_strings_cut_the_same_text_with_speculation(smollm2):
+    """Several tokens accepted in one step: the text still ends at the first stop string,
+    with the same tokens as plain decoding (the bundled model quoting its prompt)."""
+    model, tokenizer = smollm2
+    message = "Repeat exactly: The quick brown fox jumps over the lazy dog. It was a sunny day."
+    prompt = chat_token_ids(tokenizer, message)
+    params = SamplingParams(max_new_tokens=40, stop=["lazy"], include_stop_str_in_output=True)
+    outputs = []
+    for speculative in (None, SpeculativeConfig(num_tokens=4)):
+        config = EngineConfig(speculative=speculative)
+        with EngineCore(model, config, tokenizer) as engine:
+            engine.add_request(prompt, params, "a")
+            outputs.append(run_until_done(engine)["a"])
+            stats = dict(engine.stats)
+    plain, spec = outputs
+    assert stats["spec_accepted_tokens"] > 0, stats
+    assert spec.token_ids == plain.token_ids
+    assert spec.text == plain.text and spec.text.endswith("lazy")
+    assert str(spec.finish_reason) == "stop"
 
 
 def test_logprobs_are_the_same_with_speculation():
