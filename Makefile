@@ -24,8 +24,8 @@ run: $(STAMP)
 		--prompt "List three uses for a paperclip."
 
 test: $(STAMP)
-	$(PY) -m ruff check cbgen tests bench
-	$(PY) -m ruff format --check cbgen tests bench
+	$(PY) -m ruff check cbgen tests bench examples
+	$(PY) -m ruff format --check cbgen tests bench examples
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 

@@ -6,6 +6,7 @@ from .generate import generate_batch
 from .models import load_model
 from .online import Engine, EngineClosedError, EngineOverloadedError
 from .request import Completion, FinishReason, RequestOutput
+from .rollout import Rollout, rollout
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
 from .structured import StructuredOutput
@@ -19,10 +20,12 @@ __all__ = [
     "EngineOverloadedError",
     "FinishReason",
     "RequestOutput",
+    "Rollout",
     "SamplingParams",
     "SpeculativeConfig",
     "StructuredOutput",
     "generate_batch",
     "load_model",
+    "rollout",
 ]
 __version__ = "0.1.0"

@@ -117,9 +117,9 @@ class DraftModelProposer(Proposer):
         self.num_tokens = num_tokens
         self.vocab_size = vocab_size  # the target's: a larger draft id is never proposed
         self.max_batch_tokens = max_batch_tokens
-        self.runner = Executor(
-            draft_model, use_native_kernels=use_native_kernels, prepack_linear=prepack_linear
-        )
+        self._use_native_kernels = use_native_kernels
+        self._prepack_linear = prepack_linear
+        self.runner = self._executor()
         self.layers = self.runner.probe.layers
         self.groups = build_groups(self.layers)
         self.bytes_per_token = bytes_per_token(tensor_layout(self.layers, self.groups)[1])
@@ -135,6 +135,13 @@ class DraftModelProposer(Proposer):
         # request at once) and a plain target step's seconds.
         self._round_seconds: float | None = None
         self._step_seconds: float | None = None
+
+    def _executor(self) -> Executor:
+        return Executor(
+            self.model,
+            use_native_kernels=self._use_native_kernels,
+            prepack_linear=self._prepack_linear,
+        )
 
     def guess_cost(self, batch_size: int) -> float:
         """``cbgen.speculative.guess_cost`` with the draft's forward pass as measured
@@ -317,6 +324,25 @@ class DraftModelProposer(Proposer):
         if request.request_id in self._sequences:
             self._forget(request.request_id)
 
+    def reset(self) -> None:
+        for request_id in list(self._sequences):
+            self._forget(request_id)
+
+    def pause(self) -> None:
+        self.reset()
+        self.runner.close()
+
+    def resume(self) -> None:
+        self.runner.close()
+        self.runner = self._executor()
+        if self._builder is not None:
+            self._builder.attention = self.runner.attention
+
+    def release_cache(self) -> None:
+        self.reset()
+        self.kv = None
+        self._builder = None
+
     def _forget(self, request_id: str) -> None:
         sequence = self._sequences.pop(request_id)
         self._known.pop(request_id, None)
@@ -326,8 +352,8 @@ class DraftModelProposer(Proposer):
 
     def close(self) -> None:
         """Give every draft block back and the draft model its own modules (idempotent)."""
-        for request_id in list(self._sequences):
-            self._forget(request_id)
+        if self.kv is not None:
+            self.reset()
         self.runner.close()
 
 

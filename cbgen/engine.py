@@ -34,6 +34,7 @@ from .speculative import NgramProposer, Proposer
 from .step_sampling import grammar_bitmask, sample_step
 from .structured import GrammarCompiler
 from .text import RequestText
+from .weights import NamedTensors, WeightVersions, load_named_weights
 
 logger = logging.getLogger(__name__)
 
@@ -120,19 +121,12 @@ class EngineCore:
             num_blocks = budget // (both * config.block_size)
             if num_blocks < 1:
                 raise ValueError(f"KV cache budget of {budget} bytes holds no block")
-        if draft is not None:
-            draft.allocate_cache(num_blocks, config.block_size)
-        self.cache = PagedKVCache(
-            layers, num_blocks, config.block_size, self.runner.device, self.cache_groups
-        )
+        self._layers = layers
+        self._num_blocks = num_blocks
+        self._allocate_memory()
+        if self.swap_space is None and config.preemption_mode == "swap":
+            logger.warning("cbgen: swap_space holds no block; preemption will recompute")
         self.allocator = BlockAllocator(num_blocks)
-        self.swap_space: SwapSpace | None = None
-        if config.preemption_mode == "swap":
-            swap_blocks = SwapSpace.blocks_for_budget(self.cache, config.swap_space)
-            if swap_blocks > 0:
-                self.swap_space = SwapSpace(self.cache, swap_blocks)
-            else:
-                logger.warning("cbgen: swap_space holds no block; preemption will recompute")
         self.prefix_caching = config.enable_prefix_caching
         if self.prefix_caching:
             reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
@@ -151,15 +145,11 @@ class EngineCore:
             admission=config.admission,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions, spec_*
-        self.batch_builder = BatchBuilder(
-            self.cache,
-            self.runner.probe.layer_of_module,
-            self.runner.attention,
-            self.cache_groups,
-        )
-        self.sampler = Sampler(
-            argmax=self.runner.greedy.argmax, processors=default_processors(_model_eos_ids(model))
-        )
+        self.sampler = self._make_sampler()
+        self._weights = WeightVersions(model)  # the weights the executor's copies hold
+        self._paused = False  # pause() / sleep(): the model has its own modules back
+        self._asleep = False  # sleep(): no KV cache, no packed weights
+        self._held: list[RequestOutput] = []  # outputs of a step settled outside step()
         # The longest request that fits alone (None: windowed layers only, any length fits).
         cache_limit = max_request_tokens(
             self.cache_groups, num_blocks, config.block_size, config.max_batch_tokens
@@ -188,6 +178,31 @@ class EngineCore:
             self.max_model_len,
             "; ".join(g.describe() for g in self.cache_groups),
         )
+
+    def _allocate_memory(self) -> None:
+        """The KV cache (and the swap space, the batch builder that reads the cache, and a
+        draft model's cache), ``_num_blocks`` blocks: at build and after ``sleep()``."""
+        config = self.config
+        self.cache = PagedKVCache(
+            self._layers, self._num_blocks, config.block_size, self.runner.device, self.cache_groups
+        )
+        self.swap_space: SwapSpace | None = None
+        if config.preemption_mode == "swap":
+            swap_blocks = SwapSpace.blocks_for_budget(self.cache, config.swap_space)
+            if swap_blocks > 0:
+                self.swap_space = SwapSpace(self.cache, swap_blocks)
+        self.batch_builder = BatchBuilder(
+            self.cache,
+            self.runner.probe.layer_of_module,
+            self.runner.attention,
+            self.cache_groups,
+        )
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.allocate_cache(self._num_blocks, config.block_size)
+
+    def _make_sampler(self) -> Sampler:
+        eos = _model_eos_ids(self.model)
+        return Sampler(argmax=self.runner.greedy.argmax, processors=default_processors(eos))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -285,12 +300,34 @@ class EngineCore:
         engine's worker thread and returns the outputs of the previous step, so
         this step's scheduling and the caller's handling of the outputs overlap
         the next forward pass.
+
+        Before planning, a change of the model's weights that ``update_weights`` or
+        ``refresh`` did not announce (an optimizer step in place) is noticed and the
+        engine refreshes itself, with a warning: no token comes from stale weights.
         """
+        if self._paused:
+            raise RuntimeError(
+                "the engine is paused (pause() or sleep()): call resume() or wake() first"
+            )
+        if self._weights.changed():
+            logger.warning(
+                "cbgen: the model's weights changed without update_weights() or refresh(); "
+                "refreshing the engine (packed weights, K/V, prefix cache) before this step"
+            )
+            self.refresh()
+        outputs = self._step()
+        if self._held:
+            outputs, self._held = self._held + outputs, []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         in_flight = self._in_flight
-        if in_flight is not None and (self._num_with_history or self._proposing()):
+        if in_flight is not None and (
+            self._num_with_history or self._proposing() or in_flight.pending.drafts is not None
+        ):
             # Processors and penalties read every token so far, and a proposer guesses
-            # from them: settle before planning.
+            # from them; guesses in flight are not known to hold: settle before planning.
             outputs = self._settle_in_flight()
             in_flight = None
         if self.proposer is not None:
@@ -330,7 +367,7 @@ class EngineCore:
         """Fewer requests run than ``SpeculativeConfig.disable_batch_size``: past it a
         step is bound by compute, and verifying guesses costs more than it saves."""
         spec = self.config.speculative
-        limit = spec.disable_batch_size if spec is not None else None
+        limit = spec.batch_limit if spec is not None else None
         return limit is None or len(self.scheduler.running) < limit
 
     def _propose(self) -> None:
@@ -426,6 +463,106 @@ class EngineCore:
                     move.request_id,
                 )
                 self.scheduler.swap_failed(move, scheduled)
+
+    # -- weights and memory: training and generating with one model ---------------------
+
+    def update_weights(self, weights: NamedTensors) -> int:
+        """Load ``weights`` (``{name: tensor}`` or ``(name, tensor)`` pairs, names as in
+        ``model.state_dict()``) into the model and ``refresh()``; return how many were
+        loaded. A quantized map takes float weights and quantizes them again. Paused or
+        asleep, the weights are loaded and the refresh happens on ``resume``/``wake``."""
+        if self._in_flight is not None:
+            self._held += self._settle_in_flight()  # that step read the old weights
+        count = load_named_weights(self.model, weights)
+        if not self._paused:
+            self.refresh()
+        return count
+
+    def refresh(self) -> None:
+        """Generate from the model's current weights from the next step on (call it after
+        changing them in place, e.g. an optimizer step): every copy made from the old
+        ones is made again (prepacked and fused weights, quantized kernels, embedding
+        rows, a layer-skip draft's), the prefix cache is emptied, and every unfinished
+        request computes its K/V again (its tokens so far are kept)."""
+        if self._in_flight is not None:
+            self._held += self._settle_in_flight()
+        self._forget_kv()
+        if not self._paused:
+            self._rebuild_executor()
+        self._weights.mark()
+
+    def pause(self) -> None:
+        """Give the model its own forward and attention back (to train it, or call it),
+        keeping the KV cache; requests wait. ``step()`` raises until ``resume()``.
+        The packed weight copies are freed."""
+        if self._paused:
+            return
+        if self._in_flight is not None:
+            self._held += self._settle_in_flight()
+        if self.proposer is not None:
+            self.proposer.pause()
+        self.runner.close()
+        self._paused = True
+
+    def resume(self) -> None:
+        """Back to generating after ``pause()`` (or ``sleep()``): the executor is built
+        again from the weights as they are now; if they changed, the K/V of every request
+        is computed again and the prefix cache starts empty."""
+        if not self._paused:
+            return
+        stale = self._weights.changed()
+        self._rebuild_executor()
+        if self._asleep:
+            self._allocate_memory()
+            self._asleep = False
+        if stale:
+            self._forget_kv()
+        self._weights.mark()
+        self._paused = False
+
+    def sleep(self) -> None:
+        """``pause()`` and free the KV cache (and swap space) too, for a training step
+        that needs the memory; unfinished requests compute their K/V again after
+        ``wake()``."""
+        self.pause()
+        if self._asleep:
+            return
+        self._forget_kv()
+        if self.proposer is not None:
+            self.proposer.release_cache()
+        del self.cache, self.swap_space, self.batch_builder
+        self._asleep = True
+
+    def wake(self) -> None:
+        """The KV cache back and generating again, after ``sleep()`` (as ``resume()``)."""
+        self.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def _forget_kv(self) -> None:
+        """Every K/V computed so far is stale: requests compute theirs again, the prefix
+        cache and a draft's cache start empty."""
+        self.scheduler.recompute_all()
+        self.allocator.reset_prefix_cache()
+        if self.proposer is not None:
+            self.proposer.reset()
+
+    def _rebuild_executor(self) -> None:
+        """A new executor from the model's current weights (the old one closed)."""
+        self.runner.close()
+        self.runner = Executor(
+            self.model,
+            use_native_kernels=self.config.use_native_kernels,
+            prepack_linear=self.config.prepack_linear,
+        )
+        self.kernels = self.runner.kernels
+        if not self._asleep:
+            self.batch_builder.attention = self.runner.attention
+        self.sampler = self._make_sampler()
+        if self.proposer is not None:
+            self.proposer.resume()
 
     # -- lifetime -----------------------------------------------------------------------
 

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from .request import Request
 
 METHODS = ("ngram", "draft", "layer_skip")
+# Running requests at which each method stops proposing (``disable_batch_size="auto"``),
+# measured with bench/speculative.py on SmolLM2 (CPU, 2 threads): prompt lookup still
+# gains 1.12x at 8 requests and loses 2% at 16; the 4-bit self-draft gains 1.39x at 2
+# and loses 14% at 4 (every prompt prefilled through the draft first).
+DISABLE_BATCH_SIZE = {"ngram": 16, "draft": 4, "layer_skip": 4}
 # What verifying one more token costs, as a share of a step: a step of b decoding
 # requests that verifies g guesses takes about (1 + VERIFY_COST * g) times a plain step
 # (SmolLM2, CPU, 2 threads: 0.03-0.05 per guess at 4 to 16 requests with 2 or 4 guesses
@@ -47,18 +52,28 @@ class SpeculativeConfig:
     always makes k.
 
     ``disable_batch_size``: no proposals while this many requests or more are running
-    (``None``: any number). A larger batch makes a step bound by compute instead of by
-    reading the weights, and verifying guesses then costs more than it saves: on the
-    bundled SmolLM2 (CPU, 2 threads, ``bench/speculative.py``) prompt lookup stops
-    paying at 16 requests.
+    (``None``: any number; ``"auto"``: the method's ``DISABLE_BATCH_SIZE``). A larger
+    batch makes a step bound by compute instead of by reading the weights, and
+    verifying guesses then costs more than it saves; a draft model also has every
+    prompt to prefill first. On the bundled SmolLM2 (CPU, 2 threads,
+    ``bench/speculative.py``) prompt lookup stops paying at 16 requests, a 4-bit
+    self-draft at 4.
     """
 
     method: str = "ngram"
     num_tokens: int = 4
     draft_model: Any = None
     num_layers: int | None = None
-    disable_batch_size: int | None = 16
+    disable_batch_size: int | str | None = "auto"
     adaptive: bool = True
+
+    @property
+    def batch_limit(self) -> int | None:
+        """``disable_batch_size`` with ``"auto"`` resolved."""
+        if self.disable_batch_size == "auto":
+            return DISABLE_BATCH_SIZE[self.method]
+        assert not isinstance(self.disable_batch_size, str)
+        return self.disable_batch_size
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -76,13 +91,14 @@ class SpeculativeConfig:
             or self.num_layers < 1
         ):
             raise ValueError(f"num_layers must be an int >= 1 or None, got {self.num_layers!r}")
-        if self.disable_batch_size is not None and (
+        if self.disable_batch_size not in (None, "auto") and (
             isinstance(self.disable_batch_size, bool)
             or not isinstance(self.disable_batch_size, int)
             or self.disable_batch_size < 1
         ):
             raise ValueError(
-                f"disable_batch_size must be an int >= 1 or None, got {self.disable_batch_size!r}"
+                "disable_batch_size must be an int >= 1, 'auto' or None, "
+                f"got {self.disable_batch_size!r}"
             )
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
@@ -171,6 +187,18 @@ class Proposer:
 
     def finish(self, request: Request) -> None:
         """``request`` left the engine: drop what the proposer keeps for it."""
+
+    def reset(self) -> None:
+        """Every K/V is stale (the weights changed): forget what was computed for requests."""
+
+    def pause(self) -> None:
+        """The engine pauses: release the executor (a draft model's own forward back)."""
+
+    def resume(self) -> None:
+        """The engine resumes: build the executor again from the weights as they are."""
+
+    def release_cache(self) -> None:
+        """The engine sleeps: free the KV cache (``allocate_cache`` gives it back)."""
 
     def observe_step(self, seconds: float, guesses: int) -> None:
         """How long a target forward pass took, verifying ``guesses`` guesses (a draft

@@ -24,6 +24,9 @@ from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
 from cbgen.draft import DraftModelProposer, decoder_layers, layer_skip_model
 
 MAX_NEW = 24
+# k always 4, whatever the batch: the most guesses to verify and to reject.
+FIXED = dict(adaptive=False, disable_batch_size=None)
+CONFIG_ASYNC = dict(block_size=4, num_blocks=128, max_batch_tokens=64, async_scheduling=True)
 
 
 def _echo_prompts(model, count: int, seed: int) -> list[list[int]]:
@@ -33,16 +36,16 @@ def _echo_prompts(model, count: int, seed: int) -> list[list[int]]:
 def _drafts(model, arch: str) -> dict[str, SpeculativeConfig]:
     return {
         "layer_skip": _layer_skip(),
-        "same": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(model), adaptive=False),
+        "same": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(model), **FIXED),
         "other": SpeculativeConfig(
-            method="draft", draft_model=make_tiny_model(arch, seed=3), adaptive=False
+            method="draft", draft_model=make_tiny_model(arch, seed=3), **FIXED
         ),
     }
 
 
 def _layer_skip() -> SpeculativeConfig:
     """Guesses from the target's first layer, k always 4: many guesses, most wrong."""
-    return SpeculativeConfig(method="layer_skip", num_layers=1, adaptive=False)
+    return SpeculativeConfig(method="layer_skip", num_layers=1, **FIXED)
 
 
 def _run(model, prompts, spec, params=None, **overrides):
@@ -112,6 +115,25 @@ def test_exact_under_chunking_preemption_caching_and_async(arch, overrides):
         assert stats["preemptions"] > 0, "the cache was meant to be too small"
 
 
+def test_async_steps_as_the_batch_crosses_the_limit_settle_guesses_in_flight():
+    """Six requests, proposals only below four running: a step launched with guesses is
+    settled before the next is planned even when that next step proposes nothing."""
+    model = make_tiny_model("llama")
+    prompts = _echo_prompts(model, 6, seed=12)
+    spec = SpeculativeConfig(
+        method="layer_skip", num_layers=1, adaptive=False, disable_batch_size=4
+    )
+    params = [SamplingParams(max_new_tokens=8 + 6 * i) for i in range(6)]  # ends staggered
+    with EngineCore(model, EngineConfig(**CONFIG_ASYNC, speculative=spec)) as engine:
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(prompt, p, str(i))
+        results = run_until_done(engine)
+        assert engine.stats["spec_proposed_tokens"] > 0
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+    for i, prompt in enumerate(prompts):
+        assert results[str(i)].token_ids == reference_greedy(model, prompt, 8 + 6 * i)
+
+
 def test_a_second_request_on_the_same_prefix_gets_the_same_output():
     """Rejected guesses leave nothing in the prefix cache: the same prompts again (now
     cached) give the same tokens, and every block of both caches comes back."""
@@ -158,7 +180,7 @@ def test_a_draft_with_a_larger_vocabulary_never_proposes_past_the_targets():
     with torch.no_grad():
         draft.lm_head.weight[256:] *= 50
     prompts = _echo_prompts(model, 3, seed=5)
-    spec = SpeculativeConfig(method="draft", draft_model=draft, adaptive=False)
+    spec = SpeculativeConfig(method="draft", draft_model=draft, **FIXED)
     outputs, stats = _run(model, prompts, spec)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)

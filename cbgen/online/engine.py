@@ -12,7 +12,8 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -20,7 +21,8 @@ import torch
 from ..config import EngineConfig
 from ..engine import EngineCore
 from ..sampling import SamplingParams
-from .loop import ABORT, ADD, BARRIER, CLOSE, EngineLoop
+from ..weights import NamedTensors
+from .loop import ABORT, ADD, BARRIER, CALL, CLOSE, EngineLoop
 from .outputs import EngineClosedError, EngineSnapshot, OnlineRequestOutput
 from .results import RequestRecord, ResultStore
 from .streams import AsyncRequestStream, AsyncStreamGroup, RequestStream, SinkGroup
@@ -234,6 +236,41 @@ class Engine:
             self._loop.post(BARRIER, done)
         if not done.wait(timeout):
             raise TimeoutError("the engine loop did not catch up in time")
+
+    # -- weights and memory (RL): the core's methods, run on the loop thread -------------
+
+    def update_weights(self, weights: NamedTensors) -> int:
+        """``EngineCore.update_weights`` between two steps: every token after it comes
+        from ``weights``; requests in flight go on (their K/V computed again)."""
+        return int(self._call(lambda core: core.update_weights(weights)))
+
+    def refresh(self) -> None:
+        """``EngineCore.refresh`` between two steps (after changing weights in place)."""
+        self._call(EngineCore.refresh)
+
+    def pause(self) -> None:
+        """``EngineCore.pause``: the loop stops stepping (requests wait, new ones queue) and
+        the model gets its own forward back, until ``resume()``."""
+        self._call(EngineCore.pause)
+
+    def resume(self) -> None:
+        self._call(EngineCore.resume)
+
+    def sleep(self) -> None:
+        """``EngineCore.sleep``: paused, with the KV cache and packed weights freed."""
+        self._call(EngineCore.sleep)
+
+    def wake(self) -> None:
+        self._call(EngineCore.wake)
+
+    def _call(self, method: Callable[[EngineCore], Any]) -> Any:
+        future: futures.Future[Any] = futures.Future()
+        with self._lock:
+            if self._results.stopped:
+                raise EngineClosedError("the engine is closed")
+            self._loop.start_locked()
+            self._loop.post(CALL, (method, future))
+        return future.result()
 
     def snapshot(self) -> EngineSnapshot:
         """Queue lengths and KV blocks as of the last step, the queue bounds' counts as of

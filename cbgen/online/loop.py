@@ -1,7 +1,8 @@
 """The online engine's loop thread: the one thread that drives ``EngineCore``.
 
 Public methods talk to it through a ``queue.SimpleQueue`` of commands (add, abort,
-abandon, barrier, close) that it drains between steps; when there is no work it blocks
+abandon, barrier, close, and calls of the core's weight and memory methods) that it
+drains between steps; while the core is paused it steps nothing; when there is no work it blocks
 on that queue (no busy-wait). ``SimpleQueue.put`` is reentrant, so even a finalizer of
 an abandoned stream can post a cancel. After each step it turns the core's outputs into
 ``OnlineRequestOutput`` deltas (with text, ``cbgen.online.text``), hands them to the
@@ -31,7 +32,7 @@ from .results import RequestRecord, ResultStore
 
 logger = logging.getLogger(__name__)
 
-ADD, ABORT, ABANDON, BARRIER, CLOSE = range(5)
+ADD, ABORT, ABANDON, BARRIER, CLOSE, CALL = range(6)
 
 
 class EngineLoop:
@@ -84,8 +85,8 @@ class EngineLoop:
         closing = False
         try:
             while not closing:
-                if not self.active:  # nothing to step: sleep until a command arrives
-                    closing = self._apply(commands.get())
+                if not self.active or self.core.is_paused:  # nothing to step: sleep until
+                    closing = self._apply(commands.get())  # a command arrives
                 while not closing:
                     try:
                         command = commands.get_nowait()
@@ -94,7 +95,7 @@ class EngineLoop:
                     closing = self._apply(command)
                 if not closing and self.active:
                     self._expire()
-                if not closing and self.active:
+                if not closing and self.active and not self.core.is_paused:
                     self._step()
                 self.publish_snapshot()
         except BaseException as exc:  # a bug in this layer: fail everything, stay closable
@@ -137,6 +138,12 @@ class EngineLoop:
             self._end(arg, FinishReason.ABORTED, None)
         elif kind == BARRIER:
             arg.set()
+        elif kind == CALL:  # a core method the caller waits for (weights, pause, sleep)
+            method, future = arg
+            try:
+                future.set_result(method(self.core))
+            except BaseException as exc:
+                future.set_exception(exc)
         elif kind == CLOSE:
             return True
         return False

@@ -181,6 +181,24 @@ class Scheduler:
         request.finish_reason = reason
         self.kv.free_swapped_in()  # the step that read them is over
 
+    def recompute_all(self) -> None:
+        """Send every running and swapped request back to wait with no K/V: it computes
+        its tokens again when readmitted (the weights its K/V came from changed). Not a
+        preemption: nothing is counted."""
+        for request in [*self.running, *self.swapped]:
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._discard_rejected(request, leaving=True)
+                self.kv.free(request)
+            else:
+                self.swapped.remove(request)
+                self.kv.release_host(request)
+            request.draft_token_ids = []
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            insort(self.waiting, request, key=_key)
+        self.kv.free_swapped_in()
+
     def _discard_rejected(self, request: Request, leaving: bool = False) -> None:
         """Forget the K/V of rejected proposals: computed positions past the request's
         last known token held tokens the output processor did not accept (the accepted
