@@ -131,6 +131,7 @@ class DraftModelProposer(Proposer):
         # The draft's kept fraction over every request: k is chosen per step, for all.
         self.acceptance = DraftAcceptance()
         self._proposed: dict[str, tuple[int, list[int]]] = {}  # last step's guesses
+        self._abandoned: set[str] = set()  # requests the draft fell too far behind on
         # Running averages: the draft's seconds per guess (a forward pass for every
         # request at once) and a plain target step's seconds.
         self._round_seconds: float | None = None
@@ -196,7 +197,7 @@ class DraftModelProposer(Proposer):
             if budget == 0:
                 break
             want = min(length, _room(request, self.num_tokens))
-            if want == 0:
+            if want == 0 or self._fell_behind(request):
                 continue
             sequence = self._sync(request)
             count = sequence.num_tokens - sequence.num_computed_tokens
@@ -246,6 +247,28 @@ class DraftModelProposer(Proposer):
             request = by_id[request_id]
             request.draft_token_ids = tokens[:valid]
             self._proposed[request_id] = (request.num_tokens, request.draft_token_ids)
+
+    def _fell_behind(self, request: Request) -> bool:
+        """Whether the draft has more of ``request`` to catch up on than guessing for it
+        can win back: past ``4 k + 1`` tokens since it last computed (or generated
+        tokens, for a request it never saw: one that ran while proposals were off), the
+        request decodes plainly to its end and its draft blocks go back. A new request's
+        prompt is prefilled once, a price paid at its start."""
+        request_id = request.request_id
+        if request_id in self._abandoned:
+            return True
+        sequence = self._sequences.get(request_id)
+        behind = (
+            request.num_output_tokens
+            if sequence is None
+            else request.num_tokens - sequence.num_computed_tokens
+        )
+        if behind <= 4 * self.num_tokens + 1:
+            return False
+        self._abandoned.add(request_id)
+        if sequence is not None:
+            self._forget(request_id)
+        return True
 
     def _record_verified(self, requests: list[Request]) -> None:
         """Count how many of last step's guesses the target kept (a request that did not
@@ -321,12 +344,14 @@ class DraftModelProposer(Proposer):
         return guesses
 
     def finish(self, request: Request) -> None:
+        self._abandoned.discard(request.request_id)
         if request.request_id in self._sequences:
             self._forget(request.request_id)
 
     def reset(self) -> None:
         for request_id in list(self._sequences):
             self._forget(request_id)
+        self._abandoned.clear()  # every request computes its K/V again from the start
 
     def pause(self) -> None:
         self.reset()

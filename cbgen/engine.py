@@ -33,6 +33,7 @@ from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
 from .speculative import NgramProposer, Proposer
 from .step_sampling import grammar_bitmask, sample_step
 from .structured import GrammarCompiler
+from .sysmem import trim_heap
 from .text import RequestText
 from .weights import NamedTensors, WeightVersions, load_named_weights
 
@@ -531,6 +532,7 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.release_cache()
         del self.cache, self.swap_space, self.batch_builder
+        trim_heap()  # the packed weights' memory back to the OS, not kept for reuse
         self._asleep = True
 
     def wake(self) -> None:

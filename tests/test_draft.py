@@ -232,3 +232,23 @@ def test_adaptive_k_nearly_stops_guessing_with_a_draft_that_is_always_wrong():
     # Fixed k: 4 guesses a step. Adaptive: a few at first, then probes ever further apart.
     assert proposed[False] > 4 * 50
     assert 0 < proposed[True] < proposed[False] / 8
+
+
+def test_a_request_the_draft_fell_far_behind_on_decodes_plainly():
+    """Proposals off while four or more requests run; three short ones leave after 25
+    tokens, and the three long ones, 25 tokens ahead of the draft by then, decode plainly
+    to their end (no catch-up over their history), their draft blocks given back."""
+    model = make_tiny_model("llama")
+    prompts = random_prompts(6, 4, 8, seed=14)
+    spec = SpeculativeConfig(
+        method="layer_skip", num_layers=1, adaptive=False, disable_batch_size=4
+    )
+    lengths = [60, 60, 60, 25, 25, 25]
+    with EngineCore(model, EngineConfig(**CONFIG_ASYNC, speculative=spec)) as engine:
+        proposer = engine.proposer
+        for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), str(i))
+        results = run_until_done(engine)
+        assert engine.stats["spec_proposed_tokens"] == 0
+        assert proposer.allocator.num_free == proposer.allocator.num_blocks
+    assert [len(results[str(i)].token_ids) for i in range(6)] == lengths

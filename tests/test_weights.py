@@ -66,6 +66,25 @@ def test_after_training_and_resume_generation_follows_the_new_weights(arch):
         _all_blocks_back(engine)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_refresh_after_an_in_place_update_generates_from_the_new_weights(arch):
+    """An optimizer-like update made while the engine is open (no pause), then
+    ``refresh()``: greedy output equals ``model.generate()`` with the new weights."""
+    model = make_tiny_model(arch)
+    prompts = random_prompts(3, 4, 12, seed=12)
+    generator = torch.Generator().manual_seed(0)
+    with EngineCore(model, EngineConfig(**CONFIG)) as engine:
+        first = _generate(engine, prompts)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+        engine.refresh()
+        second = _generate(engine, prompts)
+        _all_blocks_back(engine)
+    assert second != first
+    assert second == [reference_greedy(model, p, MAX_NEW) for p in prompts]
+
+
 def test_an_unannounced_in_place_change_is_noticed(caplog):
     model = make_tiny_model("llama")
     prompts = random_prompts(3, 4, 12, seed=2)

@@ -158,8 +158,9 @@ class Executor:
             return self._forward(batch)
 
     def close(self) -> None:
-        """Give the model back its own linear maps and attention implementation (idempotent)."""
-        self._fast = None
+        """Give the model back its own linear maps and attention implementation (idempotent).
+        Nothing of the fast path stays referenced: its packed weights are freed."""
+        self.fast_forward = None
         for role in reversed(list(self.selections)):
             backend = self.selections[role].backend
             if backend is not None:
