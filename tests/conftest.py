@@ -192,6 +192,12 @@ def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
     return [chat_token_ids(tokenizer, q) for q in questions]
 
 
+def echo_prompts(model: torch.nn.Module, count: int, seed: int) -> list[list[int]]:
+    """``x + greedy(x) + x``: where the prompt ends, x's own continuation is on record,
+    so prompt lookup finds matches (speculative decoding's tests)."""
+    return [x + reference_greedy(model, x, 8) + x for x in random_prompts(count, 4, 10, seed=seed)]
+
+
 def run_until_done(engine, after_step=None) -> dict:
     """Step ``engine`` until nothing is left; the final output of every request, by id.
 

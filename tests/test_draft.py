@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     ARCHITECTURES,
+    echo_prompts,
     make_tiny_model,
     random_prompts,
     reference_greedy,
@@ -27,10 +28,6 @@ MAX_NEW = 24
 # k always 4, whatever the batch: the most guesses to verify and to reject.
 FIXED = dict(adaptive=False, disable_batch_size=None)
 CONFIG_ASYNC = dict(block_size=4, num_blocks=128, max_batch_tokens=64, async_scheduling=True)
-
-
-def _echo_prompts(model, count: int, seed: int) -> list[list[int]]:
-    return [x + reference_greedy(model, x, 8) + x for x in random_prompts(count, 4, 10, seed=seed)]
 
 
 def _drafts(model, arch: str) -> dict[str, SpeculativeConfig]:
@@ -68,7 +65,7 @@ def _run(model, prompts, spec, params=None, **overrides):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_layer_skip_output_matches_generate(arch):
     model = make_tiny_model(arch)
-    prompts = _echo_prompts(model, 3, seed=7)
+    prompts = echo_prompts(model, 3, seed=7)
     spec = _layer_skip()
     outputs, stats = _run(model, prompts, spec)
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -80,7 +77,7 @@ def test_layer_skip_output_matches_generate(arch):
 @pytest.mark.parametrize("draft", ["same", "other"])
 def test_draft_model_output_matches_generate(arch, draft):
     model = make_tiny_model(arch)
-    prompts = _echo_prompts(model, 3, seed=7)
+    prompts = echo_prompts(model, 3, seed=7)
     outputs, stats = _run(model, prompts, _drafts(model, arch)[draft])
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
@@ -105,7 +102,7 @@ def test_draft_model_output_matches_generate(arch, draft):
 @pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
 def test_exact_under_chunking_preemption_caching_and_async(arch, overrides):
     model = make_tiny_model(arch)
-    prompts = _echo_prompts(model, 5, seed=11)
+    prompts = echo_prompts(model, 5, seed=11)
     spec = _layer_skip()
     outputs, stats = _run(model, prompts, spec, **overrides)
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -119,7 +116,7 @@ def test_async_steps_as_the_batch_crosses_the_limit_settle_guesses_in_flight():
     """Six requests, proposals only below four running: a step launched with guesses is
     settled before the next is planned even when that next step proposes nothing."""
     model = make_tiny_model("llama")
-    prompts = _echo_prompts(model, 6, seed=12)
+    prompts = echo_prompts(model, 6, seed=12)
     spec = SpeculativeConfig(
         method="layer_skip", num_layers=1, adaptive=False, disable_batch_size=4
     )
@@ -138,7 +135,7 @@ def test_a_second_request_on_the_same_prefix_gets_the_same_output():
     """Rejected guesses leave nothing in the prefix cache: the same prompts again (now
     cached) give the same tokens, and every block of both caches comes back."""
     model = make_tiny_model("llama")
-    prompts = _echo_prompts(model, 4, seed=13)
+    prompts = echo_prompts(model, 4, seed=13)
     spec = _drafts(model, "llama")["other"]
     with EngineCore(model, EngineConfig(block_size=4, num_blocks=64, speculative=spec)) as engine:
         runs = []
@@ -179,7 +176,7 @@ def test_a_draft_with_a_larger_vocabulary_never_proposes_past_the_targets():
     draft = make_tiny_model("llama", seed=4, vocab_size=300)
     with torch.no_grad():
         draft.lm_head.weight[256:] *= 50
-    prompts = _echo_prompts(model, 3, seed=5)
+    prompts = echo_prompts(model, 3, seed=5)
     spec = SpeculativeConfig(method="draft", draft_model=draft, **FIXED)
     outputs, stats = _run(model, prompts, spec)
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -219,7 +216,7 @@ def test_a_draft_must_be_another_model_on_the_same_device():
 
 def test_adaptive_k_nearly_stops_guessing_with_a_draft_that_is_always_wrong():
     model = make_tiny_model("llama")
-    prompts = _echo_prompts(model, 2, seed=9)
+    prompts = echo_prompts(model, 2, seed=9)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     proposed = {}
     for adaptive in (False, True):

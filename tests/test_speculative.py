@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from conftest import (
     ARCHITECTURES,
+    echo_prompts,
     make_tiny_model,
-    random_prompts,
     reference_greedy,
     run_until_done,
 )
@@ -25,14 +25,6 @@ from cbgen.request import Request
 from cbgen.speculative import DraftAcceptance, NgramProposer, guess_cost
 
 MAX_NEW = 24
-
-
-def _echo_prompts(model, count: int, seed: int) -> list[list[int]]:
-    """``x + greedy(x) + x``: where the prompt ends, x's own continuation is on record."""
-    prompts = []
-    for x in random_prompts(count, 4, 10, seed=seed):
-        prompts.append(x + reference_greedy(model, x, 8) + x)
-    return prompts
 
 
 def _run(model, prompts, config, params=None, proposer=None):
@@ -65,7 +57,7 @@ def _eager() -> NgramProposer:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_output_matches_generate_with_ngram_speculation(arch):
     model = make_tiny_model(arch)
-    prompts = _echo_prompts(model, 3, seed=7)
+    prompts = echo_prompts(model, 3, seed=7)
     outputs, stats = _run(model, prompts, _spec(), proposer=_eager())
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
@@ -88,7 +80,7 @@ def test_greedy_output_matches_generate_with_ngram_speculation(arch):
 @pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
 def test_exact_under_chunking_preemption_and_caching(arch, overrides):
     model = make_tiny_model(arch)
-    prompts = _echo_prompts(model, 5, seed=11)
+    prompts = echo_prompts(model, 5, seed=11)
     outputs, stats = _run(model, prompts, _spec(**overrides), proposer=_eager())
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == reference_greedy(model, prompt, MAX_NEW)
@@ -101,7 +93,7 @@ def test_exact_under_chunking_preemption_and_caching(arch, overrides):
 
 def test_rejected_tokens_never_reach_the_prefix_cache():
     model = make_tiny_model("llama")
-    prompts = _echo_prompts(model, 4, seed=13)
+    prompts = echo_prompts(model, 4, seed=13)
     config = _spec(num_blocks=64)
     expected = [reference_greedy(model, p, MAX_NEW) for p in prompts]
     with EngineCore(model, config) as engine:
@@ -139,7 +131,7 @@ def test_rejected_tokens_never_reach_the_prefix_cache():
 
 def test_a_request_can_opt_out():
     model = make_tiny_model("llama")
-    prompts = _echo_prompts(model, 3, seed=7)
+    prompts = echo_prompts(model, 3, seed=7)
     params = SamplingParams(max_new_tokens=MAX_NEW, speculative=False)
     outputs, stats = _run(model, prompts, _spec(), params, proposer=_eager())
     assert stats["spec_proposed_tokens"] == 0 and stats["spec_verifications"] == 0
@@ -170,7 +162,7 @@ def test_stop_strings_cut_the_same_text_with_speculation(smollm2):
 
 def test_logprobs_are_the_same_with_speculation():
     model = make_tiny_model("qwen2")
-    prompts = _echo_prompts(model, 3, seed=7)
+    prompts = echo_prompts(model, 3, seed=7)
     params = SamplingParams(max_new_tokens=MAX_NEW, logprobs=2)
     plain, _ = _run(model, prompts, EngineConfig(block_size=4, num_blocks=128), params)
     spec, stats = _run(model, prompts, _spec(), params, proposer=_eager())
@@ -310,7 +302,7 @@ def test_no_proposals_while_the_batch_is_too_large(limit):
     """Six requests of equal length run together: with ``disable_batch_size=4`` none is
     ever proposed for (they finish together); without a limit they are."""
     model = make_tiny_model("llama")
-    prompts = _echo_prompts(model, 6, seed=3)
+    prompts = echo_prompts(model, 6, seed=3)
     config = EngineConfig(
         block_size=4,
         num_blocks=256,
