@@ -13,6 +13,7 @@ through ``.data`` bypasses the counter and is not seen: use ``update_weights``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,23 +24,28 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 class WeightVersions:
-    """A fingerprint of the model's parameters and buffers, cheap enough to take every
-    step (about 0.1 ms for SmolLM2's 272 tensors)."""
+    """A fingerprint of the model's parameters and buffers, cheap enough to check every
+    step: each tensor's version, and that its module still holds that very tensor, read
+    from the modules' own tables in one flat pass (no module walk per check)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._seen = self._take()
-
-    def _take(self) -> list[tuple[int, int]]:
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return [(id(t), t._version) for t in tensors]
-
-    def changed(self) -> bool:
-        return self._take() != self._seen
+        self.mark()
 
     def mark(self) -> None:
         """The current weights are the ones the engine's copies were made from."""
-        self._seen = self._take()
+        entries: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        for module in self.model.modules():
+            for table in (module._parameters, module._buffers):
+                entries += [(table, name, t) for name, t in table.items() if t is not None]
+        self._entries = entries
+        self._versions = [t._version for _, _, t in entries]
+
+    def changed(self) -> bool:
+        for (table, name, tensor), version in zip(self._entries, self._versions, strict=True):
+            if table.get(name) is not tensor or tensor._version != version:
+                return True
+        return False
 
 
 def load_named_weights(model: nn.Module, weights: NamedTensors) -> int:
