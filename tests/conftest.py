@@ -192,6 +192,17 @@ def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
     return [chat_token_ids(tokenizer, q) for q in questions]
 
 
+# The engine settings speculative decoding is checked under (with block_size 4, room
+# for 128 blocks and 64-token steps otherwise): each must leave the output exact.
+SPECULATION_MIXES = [
+    pytest.param(dict(max_batch_tokens=8), id="chunked"),
+    pytest.param(dict(num_blocks=20, max_batch_tokens=24), id="recompute"),  # preempted
+    pytest.param(dict(num_blocks=20, max_batch_tokens=24, preemption_mode="swap"), id="swap"),
+    pytest.param(dict(enable_prefix_caching=False), id="no-prefix-cache"),
+    pytest.param(dict(async_scheduling=True), id="async"),
+]
+
+
 def echo_prompts(model: torch.nn.Module, count: int, seed: int) -> list[list[int]]:
     """``x + greedy(x) + x``: where the prompt ends, x's own continuation is on record,
     so prompt lookup finds matches (speculative decoding's tests)."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     ARCHITECTURES,
+    SPECULATION_MIXES,
     echo_prompts,
     make_tiny_model,
     random_prompts,
@@ -88,17 +89,7 @@ def test_draft_model_output_matches_generate(arch, draft):
         assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        dict(max_batch_tokens=8),  # chunked prefill; the draft catches up in parts too
-        dict(num_blocks=20, max_batch_tokens=24),  # preemption, recomputed
-        dict(num_blocks=20, max_batch_tokens=24, preemption_mode="swap"),
-        dict(enable_prefix_caching=False),
-        dict(async_scheduling=True),
-    ],
-    ids=["chunked", "recompute", "swap", "no-prefix-cache", "async"],
-)
+@pytest.mark.parametrize("overrides", SPECULATION_MIXES)  # the draft catches up in parts too
 @pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
 def test_exact_under_chunking_preemption_caching_and_async(arch, overrides):
     model = make_tiny_model(arch)

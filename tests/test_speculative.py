@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import (
     ARCHITECTURES,
+    SPECULATION_MIXES,
     echo_prompts,
     make_tiny_model,
     reference_greedy,
@@ -66,17 +67,7 @@ def test_greedy_output_matches_generate_with_ngram_speculation(arch):
     assert stats["spec_mean_accepted_length"] == 1 + accepted / stats["spec_verifications"]
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        dict(max_batch_tokens=8),  # chunked prefill
-        dict(num_blocks=20, max_batch_tokens=24),  # preemption, recomputed
-        dict(num_blocks=20, max_batch_tokens=24, preemption_mode="swap"),
-        dict(enable_prefix_caching=False),
-        dict(async_scheduling=True),
-    ],
-    ids=["chunked", "recompute", "swap", "no-prefix-cache", "async"],
-)
+@pytest.mark.parametrize("overrides", SPECULATION_MIXES)
 @pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
 def test_exact_under_chunking_preemption_and_caching(arch, overrides):
     model = make_tiny_model(arch)
