@@ -2,7 +2,10 @@
 
 ``python -m cbgen bench ...``: the benchmark harness (``cbgen.bench``).
 
-``python -m cbgen serve ...``: an OpenAI-compatible server (``cbgen.server``)."""
+``python -m cbgen serve ...``: an OpenAI-compatible server (``cbgen.server``).
+
+``python -m cbgen batch ...``: a JSONL or Parquet file of prompts, resumable, on this
+machine or on Ray (``cbgen.jobs``)."""
 
 from __future__ import annotations
 
@@ -63,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.cli import add_arguments as add_serve_arguments
 
     add_serve_arguments(serve)
+    batch = commands.add_parser(
+        "batch", help="run a JSONL/Parquet file of prompts into an output file (resumable, Ray)"
+    )
+    from .jobs.cli import add_arguments as add_batch_arguments
+
+    add_batch_arguments(batch)
     return parser
 
 
@@ -164,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "serve":
         return serve_command(args)
+    if args.command == "batch":
+        from .jobs.cli import batch_command
+
+        return batch_command(args)
     return 2
 
 

@@ -103,3 +103,11 @@ def fan_out(request_id: str, params: Any) -> list[Any]:
     return [
         dataclasses.replace(params, n=1, seed=sample_seed(params.seed, i)) for i in range(params.n)
     ]
+
+
+def strip_request_prefix(message: str) -> str:
+    """The engine's messages start with "request 'id': "; the id means nothing to a
+    caller who never chose it (an HTTP client, a batch job's row)."""
+    if message.startswith("request '") and "': " in message:
+        return message.split("': ", 1)[1]
+    return message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import threading
@@ -289,3 +290,56 @@ def fast_path_errors(model, prompts, max_new_tokens: int = 6) -> list[float]:
     """``fast_path_steps``' differences, each as the relative norm ``|fast - ref| / |ref|``."""
     steps = fast_path_steps(model, prompts, max_new_tokens)
     return [float((fast - ref).norm() / ref.norm()) for fast, ref, _ in steps]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, smollm2):
+    """A tiny random-weight llama with SmolLM2's tokenizer and chat template, saved as a
+    Hugging Face folder: text and chat rows at a tiny model's speed, loadable by path in
+    other processes (Ray actors, the CLI)."""
+    _, tokenizer = smollm2
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    model = make_tiny_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+JOB_QUESTIONS = ["What is the capital of France?", "Say hi.", "Count to three.", "Name a colour."]
+
+
+def job_rows(count: int) -> list[dict]:
+    """A batch job's input: text and chat rows, some with their own max_new_tokens."""
+    rows = []
+    for i in range(count):
+        question = JOB_QUESTIONS[i % len(JOB_QUESTIONS)] + f" ({i})"
+        turns = [{"role": "user", "content": question}]
+        row: dict = {"messages": turns} if i % 2 else {"prompt": question}
+        if i % 3 == 0:
+            row["max_new_tokens"] = 3
+        rows.append(row)
+    return rows
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def expected_token_ids(model_dir, rows, max_new_tokens):
+    """``generate_batch`` on the same rows: the single-engine ground truth of a batch job."""
+    import cbgen
+    from cbgen.jobs.rows import row_request
+
+    model, tokenizer = cbgen.load_model(str(model_dir))
+    defaults = cbgen.SamplingParams(max_new_tokens=max_new_tokens)
+    requests = [row_request(row, defaults, tokenizer) for row in rows]
+    outputs = cbgen.generate_batch(
+        model, [r.prompt_token_ids for r in requests], [r.params for r in requests]
+    )
+    return [o.token_ids for o in outputs]

@@ -14,10 +14,10 @@ pytest.importorskip("fastapi")
 from starlette.requests import Request  # noqa: E402
 
 from cbgen.bench.workloads import load_tokenizer  # noqa: E402
+from cbgen.input_processor import strip_request_prefix  # noqa: E402
 from cbgen.online import OnlineRequestOutput  # noqa: E402
 from cbgen.request import FinishReason  # noqa: E402
 from cbgen.server import app as server_app  # noqa: E402
-from cbgen.server.calls import strip_request_prefix  # noqa: E402
 from cbgen.server.intake import check_api_key, read_json  # noqa: E402
 from cbgen.server.protocol import APIError  # noqa: E402
 from cbgen.server.responses import ResponseShape  # noqa: E402

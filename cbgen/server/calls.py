@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from ..input_processor import fan_out
+from ..input_processor import fan_out, strip_request_prefix
 from ..online import Engine, EngineClosedError, EngineOverloadedError, OnlineRequestOutput
 from ..request import FinishReason
 from .metrics import ServerMetrics
@@ -57,13 +57,6 @@ class Call:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
-
-
-def strip_request_prefix(message: str) -> str:
-    """The engine's messages start with "request 'id': "; the id means nothing to the client."""
-    if message.startswith("request '") and "': " in message:
-        return message.split("': ", 1)[1]
-    return message
 
 
 class Calls:
