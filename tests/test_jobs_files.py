@@ -47,12 +47,12 @@ def test_keys_are_ids_when_given_else_positions():
 def test_a_key_is_written_once_and_a_reopened_writer_knows_it(tmp_path):
     path = tmp_path / "out.jsonl"
     writer = OutputWriter(path)
-    assert writer.write([out_row(0), out_row(1), out_row(0)]) == 2
+    assert writer.write([out_row(0), out_row(1), out_row(0)]) == [out_row(0), out_row(1)]
     assert writer.duplicates == 1
     writer.finish()
     again = OutputWriter(path)
     assert again.done == {0, 1}
-    assert again.write([out_row(1), out_row(2)]) == 1
+    assert again.write([out_row(1), out_row(2)]) == [out_row(2)]
     again.finish()
     assert [r["id"] for r in read_rows(path)] == [0, 1, 2]
 

@@ -87,9 +87,9 @@ class OutputWriter:
         target.parent.mkdir(parents=True, exist_ok=True)
         self._file = target.open("a", encoding="utf-8")
 
-    def write(self, rows: Iterable[dict[str, Any]]) -> int:
-        """Append the rows not written yet, flushed to the OS before returning; how many."""
-        written = 0
+    def write(self, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Append the rows not written yet, flushed to the OS before returning; those rows."""
+        written = []
         for row in rows:
             key = row["id"]
             if key in self.done:
@@ -97,7 +97,7 @@ class OutputWriter:
                 continue
             self._file.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
             self.done.add(key)
-            written += 1
+            written.append(row)
         self._file.flush()
         return written
 

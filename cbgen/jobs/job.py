@@ -9,10 +9,12 @@ retried by Ray, and since nothing it computed was written, no row is written twi
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import abc
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from .generator import Generator, generator_defaults
 CALLS_IN_FLIGHT = 2
 """Batches an engine holds at once: the next one fills the batch as the last one drains."""
 
-ResultBatches = Iterator[tuple[list[int], list[dict[str, Any]]]]
+ResultBatches = abc.Generator[tuple[list[int], list[dict[str, Any]]], None, None]
 """(input row positions, their output fields), batch after batch in input order."""
 
 
@@ -94,37 +96,52 @@ def run_batch_job(
     bar = tqdm(total=len(pending), desc="cbgen batch", unit="row", disable=not progress)
     try:
         if pending:
-            if ray:
-                from ..ray import ray_batches
-
-                batches = ray_batches(
-                    rows,
-                    pending,
-                    options,
-                    address=ray_address,
-                    actors=actors,
-                    gpus_per_actor=gpus_per_actor,
-                    batch_size=batch_size,
+            with contextlib.closing(
+                _result_batches(
+                    rows, pending, options, ray, ray_address, actors, gpus_per_actor, batch_size
                 )
-            else:
-                batches = local_batches(rows, pending, options, batch_size)
-            for positions, outputs in batches:
-                out_rows = [
-                    _output_row(rows[i], keys[i], own_ids, fields)
-                    for i, fields in zip(positions, outputs, strict=True)
-                ]
-                count = writer.write(out_rows)
-                written += count
-                errors += sum(row["error"] is not None for row in out_rows)
-                bar.update(count)
-                if on_written is not None:
-                    on_written(written)
+            ) as batches:  # closed at once if this loop stops early: the engines stop too
+                for positions, outputs in batches:
+                    fresh = writer.write(
+                        _output_row(rows[i], keys[i], own_ids, fields)
+                        for i, fields in zip(positions, outputs, strict=True)
+                    )
+                    written += len(fresh)
+                    errors += sum(row["error"] is not None for row in fresh)
+                    bar.update(len(fresh))
+                    if on_written is not None:
+                        on_written(written)
         writer.finish()
     finally:
         writer.close()
         bar.close()
     return JobReport(
         len(rows), skipped, written, errors, writer.duplicates, time.perf_counter() - started
+    )
+
+
+def _result_batches(
+    rows: Sequence[Mapping[str, Any]],
+    pending: Sequence[int],
+    options: Mapping[str, Any],
+    ray: bool,
+    ray_address: str | None,
+    actors: int,
+    gpus_per_actor: float,
+    batch_size: int,
+) -> ResultBatches:
+    if not ray:
+        return local_batches(rows, pending, options, batch_size)
+    from ..ray import ray_batches
+
+    return ray_batches(
+        rows,
+        pending,
+        options,
+        address=ray_address,
+        actors=actors,
+        gpus_per_actor=gpus_per_actor,
+        batch_size=batch_size,
     )
 
 
