@@ -20,7 +20,7 @@ from .generate import generate_batch
 from .precision_args import add_precision_arguments, load_model_for
 from .sampling import SamplingParams
 from .speculative_args import add_speculative_arguments, speculative_config
-from .structured import StructuredOutput
+from .structured_args import add_structured_arguments, structured_output
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,10 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--logprobs", type=int, help="print each token's logprob and the top N")
-    structured = gen.add_mutually_exclusive_group()
-    structured.add_argument("--json-schema", help="a JSON schema file the output must match")
-    structured.add_argument("--regex", help="a regular expression the output must match")
-    structured.add_argument("--json-object", action="store_true", help="output any JSON object")
+    add_structured_arguments(gen)
     add_precision_arguments(gen)
     add_speculative_arguments(gen)
     gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
@@ -109,7 +106,7 @@ def generate_command(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         stop=args.stop,
         logprobs=args.logprobs,
-        structured_output=_structured_output(args),
+        structured_output=structured_output(args),
     )
     started = time.perf_counter()
     try:
@@ -142,17 +139,6 @@ def generate_command(args: argparse.Namespace) -> int:
         f"output {output_tokens} tok ({output_tokens / wall:.1f} tok/s) | wall {wall:.2f} s"
     )
     return 0
-
-
-def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
-    if args.json_schema:
-        with open(args.json_schema, encoding="utf-8") as f:
-            return StructuredOutput(json_schema=f.read())
-    if args.regex:
-        return StructuredOutput(regex=args.regex)
-    if args.json_object:
-        return StructuredOutput(json_object=True)
-    return None
 
 
 def _print_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]]) -> None:

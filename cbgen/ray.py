@@ -19,11 +19,11 @@ from typing import Any
 
 from .jobs.generator import Generator
 from .jobs.job import CALLS_IN_FLIGHT, ResultBatches
-from .jobs.rows import SAMPLING_FIELDS
+from .jobs.rows import SAMPLING_FIELDS, STRUCTURED_FIELDS
 
 __all__ = ["Generator", "ray_batches"]
 
-REQUEST_FIELDS = ("prompt", "messages", "n", *SAMPLING_FIELDS)
+REQUEST_FIELDS = ("prompt", "messages", "n", *SAMPLING_FIELDS, *STRUCTURED_FIELDS)
 ROW = "_cbgen_row"
 REQUEST = "_cbgen_request"
 OUTPUT = "_cbgen_output"

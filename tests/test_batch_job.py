@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import expected_token_ids, job_rows, write_jsonl
@@ -159,3 +161,35 @@ def test_the_cli_runs_a_job_and_refuses_actors_without_ray(tiny_chat_model_dir, 
     assert "--actors needs --ray" in capsys.readouterr().err
     assert main([*args[:-1], "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_the_cli_says_how_to_resume_when_interrupted(tmp_path, monkeypatch, capsys):
+    import cbgen.jobs.job
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cbgen.jobs.job, "run_batch_job", interrupted)
+    out = str(tmp_path / "out.jsonl")
+    assert main(["batch", "--input", "in.jsonl", "--output", out]) == 130
+    assert f"kept in {out}, and the same command resumes" in capsys.readouterr().err
+
+
+def test_rows_carry_their_own_output_constraint_over_the_default(tiny_chat_model_dir, tmp_path):
+    rows = [
+        {"id": "digits", "prompt": "A number:", "regex": "[0-9]{3}"},
+        {"id": "default", "prompt": "Two letters:"},
+        {"id": "object", "prompt": "JSON:", "json_object": True, "max_new_tokens": 1},
+        {"id": "two", "prompt": "x", "regex": "a", "json_schema": {"type": "object"}},
+        {"id": "broken", "prompt": "x", "regex": "("},
+    ]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ["batch", "--model", str(tiny_chat_model_dir), "--input", str(tmp_path / "in.jsonl")]
+    args += ["--output", str(tmp_path / "out.jsonl"), "--regex", "[a-z]{2}", "--no-progress"]
+    assert main(args) == 0
+    out = {r["id"]: r for r in read_rows(tmp_path / "out.jsonl")}
+    assert re.fullmatch("[0-9]{3}", out["digits"]["text"]), out["digits"]
+    assert re.fullmatch("[a-z]{2}", out["default"]["text"]), out["default"]
+    assert out["object"]["text"] == "{" and out["object"]["finish_reason"] == "length"
+    assert "exactly one of" in out["two"]["error"]
+    assert out["broken"]["finish_reason"] == "error" and out["broken"]["error"]

@@ -111,3 +111,15 @@ def test_plain_turns_numpy_into_python(ints):
     assert all(type(v) is int for v in plain(np.array(ints, dtype=np.int64)))
     assert plain(np.float64("nan")) is None
     assert plain([1.0, math.nan]) == [1.0, None]
+
+
+def test_a_rows_constraint_becomes_its_structured_output(tokenizer):
+    from cbgen.structured import StructuredOutput
+
+    schema = {"type": "object"}
+    request = row_request({"prompt": "x", "json_schema": schema}, DEFAULTS, tokenizer)
+    assert request.params.structured_output == StructuredOutput(json_schema=schema)
+    plain_row = row_request(
+        {"prompt": "x", "json_object": False, "regex": None}, DEFAULTS, tokenizer
+    )
+    assert plain_row.params.structured_output is None

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..precision_args import add_precision_arguments
+from ..structured_args import add_structured_arguments, structured_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="default per row; 0 = greedy"
     )
+    add_structured_arguments(parser)  # the default constraint; a row's own replaces it
     parser.add_argument(
         "--ray",
         nargs="?",
@@ -64,6 +66,7 @@ def batch_command(args: argparse.Namespace) -> int:
         "model": args.model,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
+        "structured_output": structured_output(args),
         "threads": args.threads,
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -88,6 +91,13 @@ def batch_command(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"cbgen batch: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"cbgen batch: interrupted; the rows written are kept in {args.output}, and the "
+            "same command resumes with the others",
+            file=sys.stderr,
+        )
+        return 130
     print(report.summary())
     if report.duplicates:
         print(f"cbgen batch: {report.duplicates} repeated results dropped (written once)")

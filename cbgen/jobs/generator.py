@@ -8,6 +8,7 @@ call's first rows start, instead of draining to a tail at every batch boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..input_processor import strip_request_prefix
 from ..sampling import SamplingParams
+from ..structured import StructuredOutput
 from .rows import OUTPUT_FIELDS, error_fields, output_fields, row_request, sampling_defaults
 
 RETAINED_RESULTS = 1 << 30
@@ -30,10 +32,11 @@ class Generator:
     A batch is a dict of columns (Ray's NumPy format) or a pandas DataFrame; the result is
     the same batch with ``text``, ``token_ids``, ``finish_reason`` and ``error`` added.
     Rows give ``prompt`` (raw text) or ``messages`` (chat turns) and may set the sampling
-    fields of ``cbgen.jobs.rows.SAMPLING_FIELDS``; ``max_new_tokens``, ``temperature``
-    and ``sampling`` (more fields) are the defaults. A row that cannot run (an invalid
-    value, an over-long prompt) gets ``finish_reason="error"`` and the reason in
-    ``error``; the other rows run normally.
+    fields of ``cbgen.jobs.rows.SAMPLING_FIELDS`` and an output constraint
+    (``json_schema``, ``regex``, ``grammar`` or ``json_object``); ``max_new_tokens``,
+    ``temperature``, ``sampling`` (more fields) and ``structured_output`` are the
+    defaults. A row that cannot run (an invalid value, an over-long prompt) gets
+    ``finish_reason="error"`` and the reason in ``error``; the other rows run normally.
 
     ``threads`` sets torch's thread count for the process (an actor's CPUs); ``dtype``
     (``"bfloat16"``...), ``quantization`` and ``device`` are ``cbgen.load_model``'s.
@@ -46,6 +49,7 @@ class Generator:
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         sampling: Mapping[str, Any] | None = None,
+        structured_output: StructuredOutput | None = None,
         threads: int | None = None,
         dtype: str | None = None,
         quantization: str | None = None,
@@ -58,7 +62,12 @@ class Generator:
         from ..online import Engine
 
         self.defaults = generator_defaults(
-            {"max_new_tokens": max_new_tokens, "temperature": temperature, "sampling": sampling}
+            {
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "sampling": sampling,
+                "structured_output": structured_output,
+            }
         )
         if threads is not None:
             if threads < 1:
@@ -128,13 +137,19 @@ class Generator:
 
 def generator_defaults(options: Mapping[str, Any]) -> SamplingParams:
     """The default ``SamplingParams`` of a ``Generator`` built with ``**options``."""
-    return sampling_defaults(
+    params = sampling_defaults(
         {
             "max_new_tokens": options.get("max_new_tokens", 128),
             "temperature": options.get("temperature", 0.0),
             **(options.get("sampling") or {}),
         }
     )
+    structured = options.get("structured_output")
+    if structured is None:
+        return params
+    params = dataclasses.replace(params, structured_output=structured)
+    params.validate()
+    return params
 
 
 def _object_column(values: list[Any]) -> Any:

@@ -2,7 +2,8 @@
 
 A row is a mapping read from JSONL or Parquet, or a row of a Ray Data batch: ``prompt``
 (raw text, tokenized as is) or ``messages`` (chat turns, through the tokenizer's chat
-template), and optionally sampling fields named as in ``SamplingParams``. Columnar
+template), and optionally sampling fields named as in ``SamplingParams`` and an output
+constraint named as in ``StructuredOutput`` (``json_schema``, ``regex``...). Columnar
 sources blur types (a pandas integer column with a missing value turns float, a list
 arrives as a NumPy array), so values are brought back to plain Python first; a field
 that is missing, ``None`` or NaN takes the job's default.
@@ -17,6 +18,7 @@ from typing import Any
 
 from ..request import RequestOutput
 from ..sampling import SamplingParams
+from ..structured import StructuredOutput
 
 INT_FIELDS = ("max_new_tokens", "top_k", "seed", "min_tokens")
 FLOAT_FIELDS = (
@@ -31,6 +33,9 @@ BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
 LIST_FIELDS = ("stop", "stop_token_ids")
 SAMPLING_FIELDS = INT_FIELDS + FLOAT_FIELDS + BOOL_FIELDS + LIST_FIELDS
 """The ``SamplingParams`` fields a row (or the job's defaults) may set."""
+
+STRUCTURED_FIELDS = ("json_schema", "regex", "grammar", "json_object")
+"""A row's output constraint (``StructuredOutput``'s fields); one replaces the default's."""
 
 OUTPUT_FIELDS = ("text", "token_ids", "finish_reason", "error")
 """What a batch job adds to every row."""
@@ -83,6 +88,10 @@ def row_request(row: Mapping[str, Any], defaults: SamplingParams, tokenizer: Any
     params = dataclasses.replace(
         defaults, **_sampling_values({k: v for k, v in fields.items() if v is not None})
     )
+    constraint = {name: plain(row.get(name)) for name in STRUCTURED_FIELDS}
+    constraint = {k: v for k, v in constraint.items() if v is not None and v is not False}
+    if constraint:
+        params = dataclasses.replace(params, structured_output=StructuredOutput(**constraint))
     if prompt is not None:
         if not isinstance(prompt, str):
             raise ValueError(f"`prompt` must be text, got {type(prompt).__name__}")
