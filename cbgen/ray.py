@@ -21,7 +21,7 @@ from .jobs.generator import Generator
 from .jobs.job import CALLS_IN_FLIGHT, ResultBatches
 from .jobs.rows import SAMPLING_FIELDS, STRUCTURED_FIELDS
 
-__all__ = ["Generator", "ray_batches"]
+__all__ = ["Generator", "import_ray", "ray_batches"]
 
 REQUEST_FIELDS = ("prompt", "messages", "n", *SAMPLING_FIELDS, *STRUCTURED_FIELDS)
 ROW = "_cbgen_row"
@@ -53,7 +53,7 @@ def ray_batches(
     end) with enough logical CPUs for the actors when neither ``address`` nor
     ``RAY_ADDRESS`` names one. A Ray already initialized in this process is used as is.
     """
-    import ray
+    ray = import_ray()
     from ray.data import ActorPoolStrategy, DataContext
 
     threads = generator.get("threads") or 1
@@ -94,6 +94,15 @@ def ray_batches(
         context.execution_options.preserve_order, context.enable_progress_bars = saved
         if started:
             ray.shutdown()
+
+
+def import_ray() -> Any:
+    """The ``ray`` package, or an ``ImportError`` that says how to get it."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("cbgen on Ray needs ray: pip install 'cbgen[ray]'") from None
+    return ray
 
 
 def _request_fields(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray import serve
-
 from .config import EngineConfig
+from .ray import import_ray
+
+import_ray()  # says how to install ray when it is missing
+
+from ray import serve  # noqa: E402
 
 
 @serve.deployment

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -193,3 +194,15 @@ def test_rows_carry_their_own_output_constraint_over_the_default(tiny_chat_model
     assert out["object"]["text"] == "{" and out["object"]["finish_reason"] == "length"
     assert "exactly one of" in out["two"]["error"]
     assert out["broken"]["finish_reason"] == "error" and out["broken"]["error"]
+
+
+def test_ray_jobs_say_how_to_install_ray(tiny_chat_model_dir, tmp_path, monkeypatch, capsys):
+    from cbgen.ray import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed
+    with pytest.raises(ImportError, match=r"pip install 'cbgen\[ray\]'"):
+        import_ray()
+    write_jsonl(tmp_path / "in.jsonl", job_rows(2))
+    args = ["batch", "--model", str(tiny_chat_model_dir), "--input", str(tmp_path / "in.jsonl")]
+    assert main([*args, "--output", str(tmp_path / "out.jsonl"), "--ray", "--no-progress"]) == 2
+    assert "cbgen[ray]" in capsys.readouterr().err
