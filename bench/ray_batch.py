@@ -1,10 +1,12 @@
 """Batch job throughput: one engine of 2 threads against two engines of 1 thread on Ray.
 
-    .venv/bin/python bench/ray_batch.py [--rows 256] [--max-new-tokens 64] [--repeats 3]
+    .venv/bin/python bench/ray_batch.py [--rows 256] [--max-new-tokens 64] [--batch-size 64]
+                                        [--repeats 3]
 
 Every configuration runs ``python -m cbgen batch``'s job (``run_batch_job``) on the same
 JSONL input (the short64 chat messages, repeated to ``--rows`` rows), greedy, SmolLM2
-float32, into its own output:
+float32, ``--batch-size`` rows per batch (an engine holds two batches), into its own
+output:
 
 - ``local 1x2``: one engine in this process, 2 torch threads (no Ray);
 - ``ray 1x2``: one Ray actor with 2 threads;
@@ -43,7 +45,13 @@ def write_input(path: Path, rows: int) -> None:
 
 
 def run_once(
-    input_path: Path, output: Path, use_ray: bool, actors: int, threads: int, tokens: int
+    input_path: Path,
+    output: Path,
+    use_ray: bool,
+    actors: int,
+    threads: int,
+    tokens: int,
+    batch_size: int,
 ) -> tuple[float, float]:
     """(rows/s over the whole job, seconds until the first batch was written)."""
     output.unlink(missing_ok=True)
@@ -60,7 +68,7 @@ def run_once(
         {"model": "smollm2", "max_new_tokens": tokens, "threads": threads},
         ray=use_ray,
         actors=actors,
-        batch_size=32,
+        batch_size=batch_size,
         progress=False,
         on_written=note,
     )
@@ -71,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -83,7 +92,13 @@ def main() -> None:
             for name, use_ray, actors, threads in CONFIGS:
                 output = root / f"{name.replace(' ', '_')}.jsonl"
                 rates = run_once(
-                    root / "in.jsonl", output, use_ray, actors, threads, args.max_new_tokens
+                    root / "in.jsonl",
+                    output,
+                    use_ray,
+                    actors,
+                    threads,
+                    args.max_new_tokens,
+                    args.batch_size,
                 )
                 results[name].append(rates)
                 outputs.setdefault(name, output.read_bytes())
@@ -93,8 +108,8 @@ def main() -> None:
     ray.shutdown()
     baseline = CONFIGS[0][0]
     print(
-        f"\n{args.rows} rows, {args.max_new_tokens} new tokens, SmolLM2 float32, greedy; "
-        f"medians of {args.repeats}"
+        f"\n{args.rows} rows, {args.max_new_tokens} new tokens, batches of {args.batch_size}, "
+        f"SmolLM2 float32, greedy; medians of {args.repeats}"
     )
     print(f"{'config':<10} {'rows/s':>8} {'first rows':>11}  output")
     for name, *_ in CONFIGS:

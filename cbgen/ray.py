@@ -81,6 +81,9 @@ def ray_batches(
                 size=actors,
                 max_concurrent_calls_per_actor=CALLS_IN_FLIGHT,
                 enable_true_multi_threading=True,
+                # No batch waits in an actor's queue: the actor that starts first would
+                # otherwise take four, and one that starts later find fewer left to run.
+                max_tasks_in_flight_per_actor=CALLS_IN_FLIGHT,
             ),
             num_cpus=threads,
             num_gpus=gpus_per_actor or None,
