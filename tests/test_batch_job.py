@@ -162,6 +162,8 @@ def test_the_cli_runs_a_job_and_refuses_actors_without_ray(tiny_chat_model_dir, 
     assert "--actors needs --ray" in capsys.readouterr().err
     assert main([*args[:-1], "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main([*args, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
 
 
 def test_the_cli_says_how_to_resume_when_interrupted(tmp_path, monkeypatch, capsys):

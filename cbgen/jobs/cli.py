@@ -62,21 +62,21 @@ def batch_command(args: argparse.Namespace) -> int:
     if args.ray is None and args.actors != 1:
         print("cbgen batch: --actors needs --ray", file=sys.stderr)
         return 2
-    generator: dict[str, Any] = {
-        "model": args.model,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "structured_output": structured_output(args),
-        "threads": args.threads,
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-    }
     try:
-        generator["config"] = EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_batch_tokens=args.max_batch_tokens,
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
+        generator: dict[str, Any] = {
+            "model": args.model,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "structured_output": structured_output(args),  # reads --json-schema's file
+            "threads": args.threads,
+            "dtype": args.dtype,
+            "quantization": args.quantization,
+            "config": EngineConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_batch_tokens=args.max_batch_tokens,
+                kv_cache_dtype=args.kv_cache_dtype,
+            ),
+        }
         report = run_batch_job(
             args.input,
             args.output,
