@@ -82,7 +82,12 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def generate_command(args: argparse.Namespace) -> int:
 
-    prompts = _read_prompts(args)
+    try:
+        prompts = _read_prompts(args)
+        constraint = structured_output(args)
+    except OSError as exc:  # a missing or unreadable --prompts-file / --json-schema
+        print(f"cbgen generate: {exc}", file=sys.stderr)
+        return 2
     if not prompts:
         print("cbgen generate: give at least one --prompt or a --prompts-file", file=sys.stderr)
         return 2
@@ -106,7 +111,7 @@ def generate_command(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         stop=args.stop,
         logprobs=args.logprobs,
-        structured_output=structured_output(args),
+        structured_output=constraint,
     )
     started = time.perf_counter()
     try:

@@ -32,6 +32,14 @@ def test_generate_without_prompts_fails_cleanly(capsys):
     assert "at least one --prompt" in capsys.readouterr().err
 
 
+def test_generate_names_a_missing_file_cleanly(tmp_path, capsys):
+    missing = str(tmp_path / "nope.txt")
+    assert main(["generate", "--prompts-file", missing]) == 2
+    assert "nope.txt" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--json-schema", missing]) == 2
+    assert "nope.txt" in capsys.readouterr().err
+
+
 def test_generate_with_quantization(smollm2, capsys):
     code = main(
         ["generate", "--quantization", "int8", "--prompt", "Say hi.", "--max-new-tokens", "4"]
