@@ -26,12 +26,30 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model_for(args: argparse.Namespace) -> tuple[Any, Any]:
     """``load_model(args.model, ...)`` with the precision flags."""
+    return load_worker_model(args.model, dtype=args.dtype, quantization=args.quantization)
+
+
+def load_worker_model(
+    model: str,
+    *,
+    threads: int | None = None,
+    dtype: str | None = None,
+    quantization: str | None = None,
+    device: str = "cpu",
+) -> tuple[Any, Any]:
+    """``load_model`` for a process that runs one engine (a Ray actor or replica, a job):
+    the dtype by name, and ``threads`` (the process's CPUs) set for torch first."""
     import torch
 
     from .models import load_model
 
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     return load_model(
-        args.model,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
-        quantization=args.quantization,
+        model,
+        dtype=getattr(torch, dtype) if dtype else None,
+        quantization=quantization,
+        device=device,
     )

@@ -43,19 +43,12 @@ class CbgenReplica:
         api_key: str | None = None,
         allowed_hosts: list[str] | None = None,
     ) -> None:
-        import torch
-
-        from .models import load_model
         from .online import Engine
+        from .precision_args import load_worker_model
         from .server.app import create_app
 
-        if threads is not None:
-            torch.set_num_threads(threads)
-        loaded, tokenizer = load_model(
-            model,
-            dtype=getattr(torch, dtype) if dtype else None,
-            quantization=quantization,
-            device=device,
+        loaded, tokenizer = load_worker_model(
+            model, threads=threads, dtype=dtype, quantization=quantization, device=device
         )
         self.engine = Engine(loaded, tokenizer, config)
         self.openai_app = create_app(

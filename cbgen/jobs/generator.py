@@ -56,10 +56,8 @@ class Generator:
         device: str = "cpu",
         config: EngineConfig | None = None,
     ) -> None:
-        import torch
-
-        from ..models import load_model
         from ..online import Engine
+        from ..precision_args import load_worker_model
 
         self.defaults = generator_defaults(
             {
@@ -69,15 +67,8 @@ class Generator:
                 "structured_output": structured_output,
             }
         )
-        if threads is not None:
-            if threads < 1:
-                raise ValueError(f"threads must be at least 1, got {threads}")
-            torch.set_num_threads(threads)
-        loaded, self.tokenizer = load_model(
-            model,
-            dtype=getattr(torch, dtype) if dtype else None,
-            quantization=quantization,
-            device=device,
+        loaded, self.tokenizer = load_worker_model(
+            model, threads=threads, dtype=dtype, quantization=quantization, device=device
         )
         self.engine = Engine(loaded, self.tokenizer, config, max_retained_results=RETAINED_RESULTS)
         self._calls = itertools.count()
