@@ -61,6 +61,11 @@ def attention_context(metadata: AttentionMetadata | ProbeRecord) -> Iterator[Non
         _state.metadata = previous
 
 
+def current_metadata() -> AttentionMetadata | ProbeRecord | None:
+    """The step's metadata (or the probe's record) installed on this thread, if any."""
+    return getattr(_state, "metadata", None)
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -83,8 +88,7 @@ def paged_attention(
             f"the '{ATTENTION_NAME}' attention only runs inside a cbgen engine step; "
             "restore the model's attention implementation (EngineCore.close()) to use it elsewhere"
         )
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by cbgen yet")
+    sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks: one logit per head
     if query.shape[0] != 1:
         raise RuntimeError(f"cbgen packs every step into batch size 1, got {query.shape[0]}")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
@@ -96,9 +100,19 @@ def paged_attention(
         return _probe(metadata, module, q, k, v, scale, sliding_window)
 
     out = metadata.backend.attend(
-        metadata, metadata.layer_of_module[id(module)], q, k, v, scale, sliding_window, softcap
+        metadata,
+        metadata.layer_of_module[id(module)],
+        q,
+        k,
+        v,
+        scale,
+        sliding_window,
+        softcap,
+        sinks=sinks,
     )
-    return out.unsqueeze(0), None
+    # Contiguous, as transformers' own attention functions return it: some model code
+    # views the result (JetMoE), which a transposed tensor cannot take.
+    return out.contiguous().unsqueeze(0), None
 
 
 def attend(

@@ -9,9 +9,10 @@ import torch
 
 from .cache.groups import FULL_GROUP, CacheGroup
 from .cache.paged_cache import PagedKVCache
+from .cache.state import StateCache
 from .executor.attention import TorchReferenceAttention
 from .executor.base import AttentionBackend
-from .executor.metadata import AttentionMetadata, GroupTables, PrefillSpan
+from .executor.metadata import AttentionMetadata, GroupTables, PrefillSpan, StateSegments
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
@@ -69,8 +70,10 @@ class BatchBuilder:
         layer_of_module: dict[int, int],
         attention: AttentionBackend | None = None,
         groups: Sequence[CacheGroup] | None = None,
+        state_cache: StateCache | None = None,
     ) -> None:
         self.cache = cache
+        self.state_cache = state_cache
         self.layer_of_module = layer_of_module
         self.attention: AttentionBackend = attention or TorchReferenceAttention()
         self.block_size = cache.block_size
@@ -93,6 +96,8 @@ class BatchBuilder:
         decode_rows: list[int] = []
         carry: list[tuple[int, int]] = []
         prefill_spans: list[tuple[int, int, int]] = []
+        state_decodes: list[tuple[int, int]] = []  # (row, slot) of single tokens going on
+        state_chunks: list[tuple[int, int, int, bool, int]] = []
         lists = [_GroupLists(group) for group in self.groups]
         # Per-row tables, for a backend that attends every row in one call.
         row_tables = self.attention.row_tables
@@ -129,6 +134,13 @@ class BatchBuilder:
                 decode_rows.append(row)
             else:
                 prefill_spans.append((row, count, context_len))
+            if chunk.state_slot >= 0:
+                if decode:
+                    state_decodes.append((row, chunk.state_slot))
+                else:
+                    # Rows past the prompt: tokens generated before a preemption.
+                    replay = max(0, chunk.num_prompt_tokens - start)
+                    state_chunks.append((row, count, chunk.state_slot, start > 0, replay))
             if chunk.sample:
                 num_rows = chunk.num_sampled  # the last token, and one per draft before it
                 logits_indices.extend(range(row + count - num_rows, row + count))
@@ -153,6 +165,8 @@ class BatchBuilder:
         metadata.decode_only = not prefill_spans
         for row, count, context_len in prefill_spans:
             metadata.prefills.append(self._prefill_span(row, count, context_len))
+        if self.state_cache is not None:
+            metadata.state = self._state_segments(state_decodes, state_chunks, len(input_ids))
 
         batch = StepBatch(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
@@ -215,6 +229,22 @@ class BatchBuilder:
         tables = torch.tensor(padded, dtype=torch.long, device=device)
         group_tables.row_block_tables = tables.repeat_interleave(counts, dim=0)
         group_tables.row_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
+
+    def _state_segments(
+        self,
+        decodes: list[tuple[int, int]],
+        chunks: list[tuple[int, int, int, bool, int]],
+        num_rows: int,
+    ) -> StateSegments:
+        assert self.state_cache is not None
+        segments = StateSegments(self.state_cache, chunks=chunks)
+        if decodes:
+            rows, slots = zip(*decodes, strict=True)
+            device = self.device
+            segments.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            segments.decode_slots = torch.tensor(slots, dtype=torch.long, device=device)
+            segments.decode_only = not chunks and len(rows) == num_rows
+        return segments
 
     def _prefill_span(self, row: int, count: int, context_len: int) -> PrefillSpan:
         if context_len == count:

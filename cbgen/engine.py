@@ -17,6 +17,7 @@ from .cache.allocator import BlockAllocator
 from .cache.groups import build_groups, max_request_tokens, tensor_layout
 from .cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
 from .cache.prefix_cache import prefix_caching_unsupported_reason
+from .cache.state import StateCache, state_bytes_per_request
 from .cache.swap import SwapSpace
 from .config import EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import make_decoder
@@ -98,7 +99,15 @@ class EngineCore:
             layers = [replace(spec, dtype=kv_dtype) for spec in layers]
         self.cache_groups = build_groups(layers)
         per_token = bytes_per_token(tensor_layout(layers, self.cache_groups)[1])
+        self.state_specs = self.runner.probe.state_layers
+        state_per_request = state_bytes_per_request(self.state_specs)
         spec = config.speculative
+        if spec is not None and self.state_specs:
+            raise ValueError(
+                f"speculative decoding is not supported for {type(model).__name__}: its "
+                f"{len(self.state_specs)} state layers (e.g. {self.state_specs[0].module}) "
+                "would need their state before every rejected guess; leave speculative unset"
+            )
         draft: DraftModelProposer | None = None
         if spec is not None:
             if draft_model is None:
@@ -115,9 +124,14 @@ class EngineCore:
                 )
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
+        elif per_token == 0:
+            # State layers only: blocks are bookkeeping and cost nothing.
+            context = min(config.max_model_len or _model_context_limit(model) or 1 << 15, 1 << 15)
+            num_blocks = config.max_num_seqs * -(-context // config.block_size)
         else:
             # A draft's cache holds as many blocks as the target's, from the same budget.
             budget = config.kv_cache_memory or default_cache_budget(self.runner.device)
+            budget -= state_per_request * config.max_num_seqs  # the state slots come first
             both = per_token + (draft.bytes_per_token if draft is not None else 0)
             num_blocks = budget // (both * config.block_size)
             if num_blocks < 1:
@@ -125,12 +139,17 @@ class EngineCore:
         self._layers = layers
         self._num_blocks = num_blocks
         self._allocate_memory()
-        if self.swap_space is None and config.preemption_mode == "swap":
+        if self.swap_space is None and config.preemption_mode == "swap" and not self.state_specs:
             logger.warning("cbgen: swap_space holds no block; preemption will recompute")
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_caching = config.enable_prefix_caching
         if self.prefix_caching:
             reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
+            if reason is None and self.state_specs:
+                reason = (
+                    f"{len(self.state_specs)} layers keep a per-request state "
+                    f"({self.state_specs[0].module}), which a cached prefix would need too"
+                )
             if reason is not None:
                 self.prefix_caching = False
                 logger.info("cbgen: prefix caching off: %s", reason)
@@ -144,6 +163,7 @@ class EngineCore:
             groups=self.cache_groups,
             swap_blocks=self.swap_space.num_blocks if self.swap_space is not None else 0,
             admission=config.admission,
+            state_slots=config.max_num_seqs if self.state_specs else 0,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions, spec_*
         self.sampler = self._make_sampler()
@@ -179,6 +199,14 @@ class EngineCore:
             self.max_model_len,
             "; ".join(g.describe() for g in self.cache_groups),
         )
+        if self.state_specs:
+            logger.info(
+                "cbgen: %d state layers, %d bytes per request, %d slots (max_num_seqs): %s",
+                len(self.state_specs),
+                state_per_request,
+                config.max_num_seqs,
+                "; ".join(s.describe() for s in self.state_specs),
+            )
 
     def _allocate_memory(self) -> None:
         """The KV cache (and the swap space, the batch builder that reads the cache, and a
@@ -187,8 +215,15 @@ class EngineCore:
         self.cache = PagedKVCache(
             self._layers, self._num_blocks, config.block_size, self.runner.device, self.cache_groups
         )
+        self.state_cache = (
+            StateCache(self.state_specs, config.max_num_seqs, self.runner.device)
+            if self.state_specs
+            else None
+        )
         self.swap_space: SwapSpace | None = None
-        if config.preemption_mode == "swap":
+        if config.preemption_mode == "swap" and self.state_specs:
+            logger.info("cbgen: preemption recomputes: swap does not hold the state layers' slots")
+        elif config.preemption_mode == "swap":
             swap_blocks = SwapSpace.blocks_for_budget(self.cache, config.swap_space)
             if swap_blocks > 0:
                 self.swap_space = SwapSpace(self.cache, swap_blocks)
@@ -197,6 +232,7 @@ class EngineCore:
             self.runner.probe.layer_of_module,
             self.runner.attention,
             self.cache_groups,
+            self.state_cache,
         )
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.allocate_cache(self._num_blocks, config.block_size)
@@ -531,7 +567,7 @@ class EngineCore:
         self._forget_kv()
         if self.proposer is not None:
             self.proposer.release_cache()
-        del self.cache, self.swap_space, self.batch_builder
+        del self.cache, self.swap_space, self.batch_builder, self.state_cache
         trim_heap()  # the packed weights' memory back to the OS, not kept for reuse
         self._asleep = True
 

@@ -245,7 +245,13 @@ class PackedLinears:
         if not isinstance(module, nn.Module) or "forward" in module.__dict__:
             return False  # not a module, or already overridden: leave it
         if isinstance(module, nn.Linear):
-            return module.weight.dtype == self.dtype and module.weight.device.type == "cpu"
+            # A subclass with a forward of its own (PhiMoE's router returns a tuple) is
+            # more than its matrix product: leave it as it is.
+            return (
+                type(module).forward is nn.Linear.forward
+                and module.weight.dtype == self.dtype
+                and module.weight.device.type == "cpu"
+            )
         return hasattr(type(module), "fused_map") and all(
             t.device.type == "cpu" for t in module.buffers()
         )

@@ -292,6 +292,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> int:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or child.weight.device.type != "cpu":
                 continue
+            if type(child).forward is not nn.Linear.forward:
+                continue  # a subclass doing more than its product (PhiMoE's router)
             full = f"{parent_name}.{name}" if parent_name else name
             child_mode = "int8" if child is head else mode
             if child_mode == "int4" and not _int4_shape_ok(child, group_size):

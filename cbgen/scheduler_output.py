@@ -47,6 +47,7 @@ class ScheduledRequest:
     prompt_targets: list[int] = field(default_factory=list)
     carry: tuple[int, int] | None = None  # (offset in token_ids, row of previous samples)
     num_drafts: int = 0
+    state_slot: int = -1  # the request's slot in the state cache (-1: the model keeps none)
 
     @property
     def num_sampled(self) -> int:
@@ -61,6 +62,7 @@ class ScheduledRequest:
         count: int,
         block_tables: list[list[int]],
         block_size: int,
+        state_slot: int = -1,
     ) -> ScheduledRequest:
         """``count`` tokens of ``request`` from position ``start``: its known tokens, then
         as many of its proposed ones as the count reaches past them."""
@@ -93,6 +95,7 @@ class ScheduledRequest:
             prompt_targets=prompt_targets,
             carry=carry,
             num_drafts=len(drafts),
+            state_slot=state_slot,
         )
 
     @property

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from architectures import MLA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES, build_config
 from conftest import (
     ARCHITECTURES,
     chat_prompts,
@@ -32,6 +34,23 @@ def test_architectures_match_generate(arch):
     prompts = random_prompts(6, 1, 40, seed=1)
     _check(model, prompts, 24, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64))
     assert model.config._attn_implementation != "cbgen_paged", "engine must restore attention"
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES + MLA_ARCHITECTURES + SINK_ARCHITECTURES)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_moe_mla_and_sink_architectures_match_generate(arch, native):
+    """Mixtures of experts, multi-head latent attention (DeepSeek-V2/V3) and attention
+    sinks (GPT-OSS, DeepSeek-V4's sliding layers) through the native kernel and the
+    torch reference, with prompts chunked beside running decodes."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(arch), dtype=torch.float32).eval()
+    prompts = random_prompts(5, 1, 40, seed=1)
+    config = EngineConfig(
+        block_size=8, num_blocks=64, max_batch_tokens=24, use_native_kernels=native
+    )
+    _check(model, prompts, 16, config)
 
 
 def test_mixed_batch_with_chunked_prefill(llama):

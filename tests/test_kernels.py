@@ -36,8 +36,10 @@ def check_kernel(
     dim: int = 16,
     value_dim: int | None = None,
     seed: int = 0,
+    sinks: bool = False,
 ) -> None:
-    """Run the kernel and ``_decode_attention`` on one random paged cache and compare."""
+    """Run the kernel and ``_decode_attention`` on one random paged cache and compare
+    (``sinks``: with a random attention-sink logit per head, as GPT-OSS has)."""
     torch.manual_seed(seed)
     value_dim = value_dim or dim
     needed = sum(-(-n // block_size) for n in lens)
@@ -68,7 +70,10 @@ def check_kernel(
     )
     scale = dim**-0.5
     q = torch.randn(heads, len(lens), dim).to(dtype)
-    expected = _decode_attention(q, cache.keys[0], cache.values[0], meta, scale, window, softcap)
+    sink = torch.randn(heads) * 2 if sinks else None
+    expected = _decode_attention(
+        q, cache.keys[0], cache.values[0], meta, scale, window, softcap, sink
+    )
     got = module.paged_decode_attention(
         q.transpose(0, 1).contiguous(),
         cache.keys[0],
@@ -78,6 +83,7 @@ def check_kernel(
         scale,
         window or 0,
         softcap or 0.0,
+        sink,
     )
     assert got.dtype == dtype and got.shape == (len(lens), heads, value_dim)
     # float32: the same sums in another order. bfloat16: both sides round the
@@ -104,6 +110,27 @@ def check_kernel(
 def test_kernel_matches_torch_decode(dtype, heads, kv_heads, window, softcap, dim):
     lens = [1, 7, 13, 4, 16, 17, 33, 70]
     check_kernel(kernel, dtype, heads, kv_heads, window, softcap, lens, dim=dim)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 2, None), (8, 1, 5), (6, 6, None)])
+@pytest.mark.parametrize("dim", [16, 40])
+def test_kernel_attention_sinks_match_torch(dtype, heads, kv_heads, window, dim):
+    # One more logit per head in every softmax (GPT-OSS's s_aux), windows included.
+    lens = [1, 7, 13, 33, 70]
+    check_kernel(kernel, dtype, heads, kv_heads, window, None, lens, dim=dim, sinks=True)
+
+
+@needs_kernel
+def test_kernel_sinks_must_be_one_float32_logit_per_head():
+    query = torch.randn(1, 4, 16)
+    cache = torch.randn(2, 2, 4, 16)
+    args = (query, cache, cache, torch.tensor([[0, 1]]), torch.tensor([5]), 0.25, 0, 0.0)
+    with pytest.raises(RuntimeError, match="one logit per head"):
+        kernel.paged_decode_attention(*args, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="one logit per head"):
+        kernel.paged_decode_attention(*args, torch.zeros(4, dtype=torch.float64))
 
 
 @needs_kernel

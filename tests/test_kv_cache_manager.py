@@ -34,6 +34,12 @@ def _check(manager: KVCacheManager, live: list[Request]) -> None:
     for block, count in holders.items():
         if count > 1:
             assert allocator.block_hash(block) is not None, "a shared block is not a cached one"
+    if manager.state_slots is not None:
+        # One state slot per live request, none shared, none lost.
+        slots = [manager.state_slot(r) for r in live]
+        assert all(slot >= 0 for slot in slots), "a live request holds no state slot"
+        assert len(set(slots)) == len(slots), "two requests share a state slot"
+        assert manager.state_slots.num_free + len(slots) == manager.state_slots.num_slots
     for r in live:
         tables = manager.block_tables(r)
         assert len(tables) == len(manager.groups), "a group's table is missing"
@@ -61,9 +67,10 @@ operations = st.lists(
     caching=st.booleans(),
     block_size=st.sampled_from([1, 2, 4]),
     swap_blocks=st.sampled_from([0, 8]),
+    state_slots=st.sampled_from([0, 4]),
 )
 def test_random_operations_never_leak_or_share_a_written_block(
-    ops, windowed, caching, block_size, swap_blocks
+    ops, windowed, caching, block_size, swap_blocks, state_slots
 ):
     groups = [FULL, WINDOW] if windowed else [FULL]
     manager = KVCacheManager(
@@ -72,6 +79,7 @@ def test_random_operations_never_leak_or_share_a_written_block(
         groups,
         enable_prefix_caching=caching,
         swap_blocks=swap_blocks,
+        state_slots=state_slots,  # 4 requests at most: always one free at admission
     )
     # Requests share a prefix, so the prefix cache has something to hand out.
     prompts = [[3] * 8 + [4 + i] * 4 for i in range(4)]
@@ -144,6 +152,8 @@ def test_random_operations_never_leak_or_share_a_written_block(
     assert manager.num_free == 64
     if manager.host_allocator is not None:
         assert manager.host_allocator.num_free == swap_blocks
+    if manager.state_slots is not None:
+        assert manager.state_slots.num_free == state_slots
 
 
 def test_rollback_of_rejected_tokens_frees_their_blocks_and_keeps_them_out_of_the_cache():

@@ -21,14 +21,10 @@ layers actually use, a model with several kinds splits every kind into groups of
 sliding ones become one full group and five windowed groups of three layers,
 vLLM's hybrid-allocator layout).
 
-Extension point, not implemented: a fixed-size per-request state (linear
-attention, Mamba, RWKV) would be a third kind whose group holds one slot per
-request whatever its length: ``max_blocks`` returns 1, ``first_needed_block``
-never drops it, the slot is allocated at admission and freed at finish (or
-preemption, which recomputes the state from the prompt), and the batch builder
-hands the layer its request's slot instead of a block table. Prefix caching
-would need the state at every cached block boundary. The probe would find such
-layers by a second hook (they do not go through the attention interface).
+Layers that keep a fixed-size per-request state instead of K/V (Mamba mixers, linear
+attention, short convolutions) are not a group: a request holds one state slot for all
+of them at once, whatever its length (``cbgen.cache.state``), taken at admission and
+given back at its finish or preemption by the ``KVCacheManager``.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ back, and rolls a request back to fewer tokens (rejected speculative tokens). It
 only writes to a ``Request`` are the cached chain hashes of its full blocks
 (``block_hashes``), which depend on the tokens alone.
 
-A linear-state group (Mamba-style) would be one more ``CacheGroup`` kind answering
-``first_needed_block``; nothing here assumes attention beyond that.
+A model with state layers (Mamba-style mixers, linear attention, short convolutions)
+also gets one state slot per running request (``state_slots``, ``cbgen.cache.state``):
+taken at admission with the first blocks, given back with them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..request import Request
 from .allocator import BlockAllocator
 from .groups import FULL_GROUP, CacheGroup
 from .prefix_cache import BlockHash, extend_block_hashes
+from .state import StateSlotPool
 
 
 @dataclass
@@ -62,8 +64,12 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         swap_blocks: int = 0,
+        state_slots: int = 0,
     ) -> None:
         self.allocator = allocator
+        # One state slot per running request when the model has state layers.
+        self.state_slots = StateSlotPool(state_slots) if state_slots > 0 else None
+        self._state_slot: dict[Request, int] = {}
         self.block_size = block_size
         self.groups: tuple[CacheGroup, ...] = tuple(groups) if groups else (FULL_GROUP,)
         self._windowed = [i for i, g in enumerate(self.groups) if g.is_windowed]
@@ -95,6 +101,10 @@ class KVCacheManager:
         """The request's blocks of the first cache group."""
         tables = self._tables.get(request)
         return tables[0] if tables is not None else []
+
+    def state_slot(self, request: Request) -> int:
+        """The request's state slot (-1: none, or the model keeps no state)."""
+        return self._state_slot.get(request, -1)
 
     def num_cached_blocks(self, request: Request) -> int:
         return self._num_cached_blocks.get(request, 0)
@@ -145,6 +155,11 @@ class KVCacheManager:
         )
         self._tables[request] = [first] + [self.allocator.allocate(total) for _ in self.groups[1:]]
         self._num_cached_blocks[request] = len(hits)
+        self._take_state_slot(request)
+
+    def _take_state_slot(self, request: Request) -> None:
+        if self.state_slots is not None and request not in self._state_slot:
+            self._state_slot[request] = self.state_slots.allocate()
 
     def allocate_slots(self, request: Request, num_tokens: int) -> None:
         """Give every group of ``request`` the blocks for ``num_tokens`` more tokens (the
@@ -176,7 +191,12 @@ class KVCacheManager:
                 del blocks[keep:]
 
     def free(self, request: Request) -> None:
-        """Give back every block of ``request``, registering its computed ones first."""
+        """Give back every block (and the state slot) of ``request``, registering its
+        computed blocks first."""
+        slot = self._state_slot.pop(request, None)
+        if slot is not None:
+            assert self.state_slots is not None
+            self.state_slots.free(slot)
         tables = self._tables.pop(request, None)
         if tables is None:
             return
@@ -314,6 +334,7 @@ class KVCacheManager:
         self._num_cached_blocks[request] = 0
         self._host_blocks_in_use.extend(move.host_blocks)
         self.allocate_slots(request, num_tokens)
+        self._take_state_slot(request)
         return move
 
     def release_host(self, request: Request) -> None:

@@ -48,6 +48,7 @@ class TorchReferenceAttention(AttentionBackend):
         sliding_window: int | None = None,
         softcap: float | None = None,
         store: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tables = metadata.tables(layer)
         cache = metadata.cache
@@ -55,7 +56,9 @@ class TorchReferenceAttention(AttentionBackend):
             cache.write(layer, tables.slot_mapping, k, v)
         key_cache, value_cache = cache.keys[layer], cache.values[layer]
         if metadata.decode_only:
-            out = self.decode(q, key_cache, value_cache, tables, scale, sliding_window, softcap)
+            out = self.decode(
+                q, key_cache, value_cache, tables, scale, sliding_window, softcap, sinks
+            )
             return out.transpose(0, 1)
 
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
@@ -68,6 +71,7 @@ class TorchReferenceAttention(AttentionBackend):
                 scale,
                 sliding_window,
                 softcap,
+                sinks,
             )
         spans = zip(metadata.prefills, tables.prefill_blocks, strict=True)
         for span, (block_ids, key_start) in spans:
@@ -80,7 +84,7 @@ class TorchReferenceAttention(AttentionBackend):
                 span_v = value_cache.index_select(1, block_ids).flatten(1, 2)[:, :length]
                 span_k, span_v = span_k.to(q.dtype), span_v.to(q.dtype)
             out[:, rows] = prefill_attention(
-                q[:, rows], span_k, span_v, span, scale, sliding_window, softcap, key_start
+                q[:, rows], span_k, span_v, span, scale, sliding_window, softcap, key_start, sinks
             )
         return out.transpose(0, 1)
 
@@ -93,8 +97,11 @@ class TorchReferenceAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return decode_attention(q, key_cache, value_cache, tables, scale, sliding_window, softcap)
+        return decode_attention(
+            q, key_cache, value_cache, tables, scale, sliding_window, softcap, sinks
+        )
 
 
 class NativeCpuAttention(AttentionBackend):
@@ -129,6 +136,7 @@ class NativeCpuAttention(AttentionBackend):
         sliding_window: int | None = None,
         softcap: float | None = None,
         store: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tables = metadata.tables(layer)
         cache = metadata.cache
@@ -147,6 +155,7 @@ class NativeCpuAttention(AttentionBackend):
             scale,
             sliding_window,
             softcap,
+            sinks,
         )
 
     def decode(
@@ -158,6 +167,7 @@ class NativeCpuAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = self._run(
             q,
@@ -168,6 +178,7 @@ class NativeCpuAttention(AttentionBackend):
             scale,
             sliding_window,
             softcap,
+            sinks,
         )
         return out.transpose(0, 1)
 
@@ -181,6 +192,7 @@ class NativeCpuAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The kernel on ``q`` ``[heads, rows, dim]``; returns ``[rows, heads, value_dim]``
         in ``q``'s dtype. The kernel reads queries in the cache's dtype, which
@@ -194,6 +206,7 @@ class NativeCpuAttention(AttentionBackend):
             scale,
             sliding_window or 0,
             softcap or 0.0,
+            None if sinks is None else sinks.detach().float().contiguous(),
         )
         return out.to(q.dtype)
 
@@ -206,6 +219,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request against its gathered blocks, as a grouped matmul.
 
@@ -236,7 +250,11 @@ def decode_attention(
         positions = torch.arange(width, device=scores.device)
         first_visible = (tables.decode_context_lens - sliding_window).view(1, -1, 1, 1)
         scores = scores.masked_fill(positions < first_visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    else:
+        sink = sinks.float().view(num_kv_heads, 1, group, 1).expand(-1, num_seqs, -1, 1)
+        probs = _softmax_with_sink(scores, sink).to(values.dtype)
     out = torch.matmul(probs, values)  # [kv, seqs, group, vdim]
     return out.transpose(1, 2).reshape(num_heads, num_seqs, -1)
 
@@ -250,9 +268,11 @@ def prefill_attention(
     sliding_window: int | None,
     softcap: float | None,
     key_start: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` is ``[heads, q_len, dim]``; ``k``/``v`` are ``[kv_heads, context_len - key_start,
-    dim]``: the keys of positions ``key_start`` (> 0 only for a window) to ``context_len``."""
+    dim]``: the keys of positions ``key_start`` (> 0 only for a window) to ``context_len``.
+    ``sinks``: one extra logit per head in the softmax (``[heads]``)."""
     mask = span.mask
     if sliding_window is not None:
         q_pos = torch.arange(span.context_len - span.q_len, span.context_len, device=q.device)
@@ -260,8 +280,8 @@ def prefill_attention(
         mask = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) & (
             k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - sliding_window
         )
-    if softcap is not None:
-        return _eager_attention(q, k, v, mask, scale, softcap, span)
+    if softcap is not None or sinks is not None:
+        return _eager_attention(q, k, v, mask, scale, softcap, span, sinks)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -280,18 +300,34 @@ def _eager_attention(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    softcap: float,
+    softcap: float | None,
     span: PrefillSpan,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Explicit softmax attention for the cases SDPA cannot express (logit soft-capping)."""
+    """Explicit softmax attention for the cases SDPA cannot express (logit soft-capping,
+    attention sinks)."""
     group = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)
     v = v.repeat_interleave(group, dim=0)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(span.q_len, span.context_len, dtype=torch.bool, device=q.device).tril(
             span.context_len - span.q_len
         )
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = _softmax_with_sink(scores, sinks.float().view(-1, 1, 1).expand(-1, span.q_len, 1))
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over ``scores`` and one more logit (``sink``, the last dim of size 1) that
+    takes its share of the weight and is then dropped, as transformers' eager GPT-OSS
+    attention computes it."""
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]

@@ -65,10 +65,13 @@ class AttentionBackend(Backend):
         sliding_window: int | None = None,
         softcap: float | None = None,
         store: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store layer ``layer``'s new K/V (unless the caller did: ``store=False``), then
         attend. ``q`` is ``[heads, tokens, dim]``, ``k``/``v`` ``[kv_heads, tokens, dim]``
-        (views of any layout); returns ``[tokens, heads, value_dim]``."""
+        (views of any layout); returns ``[tokens, heads, value_dim]``. ``sinks``
+        (``[heads]``, GPT-OSS's ``s_aux``): one more logit per head in every softmax,
+        with no value (it only takes its share of the weight)."""
 
     @abstractmethod
     def decode(
@@ -80,6 +83,7 @@ class AttentionBackend(Backend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query row per request of ``tables``' decode tables: ``q`` is ``[heads, rows,
         dim]``; returns ``[heads, rows, value_dim]``. What the backend oracle test compares."""

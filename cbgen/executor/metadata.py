@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.paged_cache import LayerSpec, PagedKVCache
+from ..cache.state import StateCache, StateSpec
 
 if TYPE_CHECKING:
     from .base import AttentionBackend
@@ -56,6 +57,29 @@ class GroupTables:
 
 
 @dataclass
+class StateSegments:
+    """Which rows of a step continue which request's state (``cbgen.executor.state_mixers``).
+
+    ``decode_rows`` / ``decode_slots``: the single-token chunks that continue a state,
+    run together in one call (``decode_only``: they are every row of the step, in
+    order). ``chunks``: every other chunk as ``(row, count, slot, continues, replay)``,
+    one call each; a chunk at position 0 does not continue (its state starts from
+    zeros). Its rows from ``replay`` on hold tokens the request generated before it was
+    preempted: they run one at a time, as they first did, so the recomputed state is
+    the one decoding made (a chunked scan rounds differently from a recurrence).
+    """
+
+    cache: StateCache
+    decode_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_only: bool = False
+    chunks: list[tuple[int, int, int, bool, int]] = field(default_factory=list)
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        return torch.tensor([slot], dtype=torch.long, device=self.cache.device)
+
+
+@dataclass
 class AttentionMetadata:
     """A step's attention inputs: the rows' roles, and one ``GroupTables`` per cache group
     (``layer_group`` maps each layer to its group). ``backend`` attends."""
@@ -68,6 +92,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [decodes] row of each decode token in the batch
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_only: bool = False  # every row is a decode row, in order: no gather/scatter of q
+    state: StateSegments | None = None  # the rows' state slots, for models with state layers
 
     def tables(self, layer: int) -> GroupTables:
         """The slot mapping and block tables that layer ``layer`` reads this step."""
@@ -80,7 +105,10 @@ class ProbeRecord:
 
     Each spec holds what the layer's attention call showed: K/V heads and head sizes
     (from the tensors), dtype, and the ``sliding_window`` the module passed.
+    ``state_layers``: what each state-keeping layer keeps per request.
     """
 
     layer_of_module: dict[int, int] = field(default_factory=dict)
     layers: list[LayerSpec] = field(default_factory=list)
+    # The layers that keep a per-request state instead of K/V (``StateMixers``' order).
+    state_layers: list[StateSpec] = field(default_factory=list)

@@ -18,6 +18,7 @@ from .base import AttentionBackend, GreedyBackend, LinearBackend, ModelAdapter, 
 from .base import model_dtype as _model_dtype
 from .native import NativeKernels
 from .registry import ROLES, BuildContext, Selection, select
+from .state_mixers import StateMixers, UnsupportedStateLayer, declared_state_layers
 
 if TYPE_CHECKING:
     from ..batch import StepBatch
@@ -58,6 +59,8 @@ class Executor:
         self.selections: dict[str, Selection] = {}
         self._native = NativeKernels(use_native_kernels, kernels)
         self._fast: Any = None
+        self._module_forward: Any = None  # HFModules(model).forward once built
+        self.state_mixers: StateMixers | None = None
         attention.register()
         self._original_attention = self.model.config._attn_implementation
         self.model.set_attn_implementation(attention.ATTENTION_NAME)
@@ -68,6 +71,8 @@ class Executor:
                 "AttentionInterface, so cbgen cannot page its KV cache"
             )
         try:
+            # Layers with a per-request state run on cbgen's slots (refused if unknown).
+            self.state_mixers = StateMixers(model)
             self.probe = self._probe()
             self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
             ctx = BuildContext(model, self.probe, self._native, prepack_linear)
@@ -148,8 +153,23 @@ class Executor:
         positions = torch.arange(2, device=self.device).unsqueeze(0)
         with torch.inference_mode(), attention_context(record):
             self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
-        if not record.layers:
-            raise ValueError(f"{type(self.model).__name__} ran no attention layer through cbgen")
+        found = len(self.state_mixers) if self.state_mixers is not None else 0
+        if found:
+            record.state_layers = self.state_mixers.recorded_specs()  # type: ignore[union-attr]
+        declared = declared_state_layers(self.model.config)
+        if found < declared:
+            # The config names more stateful layers than cbgen found modules for: some
+            # keep their state in a way cbgen does not see. Refuse rather than guess.
+            raise UnsupportedStateLayer(
+                f"{type(self.model).__name__}: its config declares {declared} layers that "
+                f"keep a per-request state (layer_types) and cbgen found {found} it can run; "
+                "cbgen refuses it rather than give wrong tokens"
+            )
+        if not record.layers and not record.state_layers:
+            raise ValueError(
+                f"{type(self.model).__name__} ran no attention layer through cbgen "
+                "and no state layer it recognizes"
+            )
         return record
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
@@ -158,13 +178,17 @@ class Executor:
             return self._forward(batch)
 
     def close(self) -> None:
-        """Give the model back its own linear maps and attention implementation (idempotent).
+        """Give the model back its own linear maps, state layers and attention implementation
+        (idempotent; also after a failed construction, whose error it never hides).
         Nothing of the fast path stays referenced: its packed weights are freed."""
-        self.fast_forward = None
+        self._fast = None
+        self._forward = self._module_forward
         for role in reversed(list(self.selections)):
             backend = self.selections[role].backend
             if backend is not None:
                 backend.close()
+        if self.state_mixers is not None:
+            self.state_mixers.restore()
         if self._original_attention is not None:
             self.model.set_attn_implementation(self._original_attention)
             self._original_attention = None

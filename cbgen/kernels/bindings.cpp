@@ -4,7 +4,8 @@
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
-                                  int64_t sliding_window, double softcap);
+                                  int64_t sliding_window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks);
 at::Tensor add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& delta,
                         const at::Tensor& weight, double eps,
                         c10::optional<at::ScalarType> out_dtype);
@@ -15,7 +16,10 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 at::Tensor argmax_rows(const at::Tensor& logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("sliding_window"), py::arg("softcap"),
+        py::arg("sinks") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; RMSNorm of the residual (CPU)",
         py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
         py::arg("out_dtype") = py::none());

@@ -202,15 +202,18 @@ inline void axpy<c10::BFloat16>(float p, const c10::BFloat16* v, float* acc, int
 }
 #endif
 
-// Softmax numerators in place: row[i] = exp(row[i] - max); returns their sum.
-inline float exp_and_sum(float* row, int64_t n) {
-  float max_score = -std::numeric_limits<float>::infinity();
+// Softmax numerators in place: row[i] = exp(row[i] - max); returns their sum. A finite
+// `sink` (an attention sink, GPT-OSS) is one more logit with no value: it joins the max
+// and the sum, so it takes its share of the weight.
+inline float exp_and_sum(float* row, int64_t n,
+                         float sink = -std::numeric_limits<float>::infinity()) {
+  float max_score = sink;
   int64_t i = 0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (n >= kWidth) {
     vfloat m = vload(row);
     for (i = kWidth; i + kWidth <= n; i += kWidth) m = vmax(m, vload(row + i));
-    max_score = vhmax(m);
+    max_score = std::max(max_score, vhmax(m));
   } else {
     i = 0;
   }
@@ -232,6 +235,7 @@ inline float exp_and_sum(float* row, int64_t n) {
     row[i] = std::exp(row[i] - max_score);
     total += row[i];
   }
+  if (sink > -std::numeric_limits<float>::infinity()) total += std::exp(sink - max_score);
   return total;
 }
 
@@ -354,8 +358,8 @@ void value_pass(const float* scores, int64_t span, const T* v_head, const int64_
 template <typename scalar_t, int DC>
 void attend(const float* q_f, int64_t group, const scalar_t* k_head, const scalar_t* v_head,
             const int64_t* table, int64_t first, int64_t len, int64_t block_size,
-            int64_t head_dim, int64_t value_dim, float scale, float cap, std::vector<float>& scores,
-            std::vector<float>& acc, scalar_t* dst) {
+            int64_t head_dim, int64_t value_dim, float scale, float cap, const float* sinks,
+            std::vector<float>& scores, std::vector<float>& acc, scalar_t* dst) {
   const int64_t span = len - first;
   const int64_t k_block_stride = block_size * head_dim;
   const int64_t v_block_stride = block_size * value_dim;
@@ -401,7 +405,8 @@ void attend(const float* q_f, int64_t group, const scalar_t* k_head, const scala
   }
   // Softmax numerators; the 1/total normalisation is applied to the output.
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / exp_and_sum(scores.data() + g * span, span);
+    const float inv = sinks == nullptr ? 1.f / exp_and_sum(scores.data() + g * span, span)
+                                       : 1.f / exp_and_sum(scores.data() + g * span, span, sinks[g]);
     acc[group * value_dim + g] = inv;  // kept past the accumulators
   }
 
@@ -457,7 +462,7 @@ inline int64_t first_visible(int64_t len, int64_t sliding_window) {
 template <typename scalar_t>
 void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
-            double scale, int64_t sliding_window, double softcap) {
+            double scale, int64_t sliding_window, double softcap, const float* sinks) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
@@ -525,7 +530,7 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       to_float(q_ptr + (seq * num_heads + kv_head * group) * head_dim, q_f.data(), group * head_dim);
       run(q_f.data(), group, k_ptr + kv_head * k_head_stride, v_ptr + kv_head * v_head_stride,
           tables + seq * table_width, first, len, block_size, head_dim, value_dim, fscale, fcap,
-          scores, acc, dst);
+          sinks == nullptr ? nullptr : sinks + kv_head * group, scores, acc, dst);
     }
   });
 }
@@ -534,11 +539,12 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 
 // query [seqs, heads, dim]; caches [kv_heads, blocks, block_size, dim];
 // block_tables [seqs, width] int64; context_lens [seqs] int64.
-// sliding_window <= 0 means none; softcap <= 0 means none.
+// sliding_window <= 0 means none; softcap <= 0 means none; sinks: float32 [heads] or none.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
-                                  int64_t sliding_window, double softcap) {
+                                  int64_t sliding_window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "inputs must be contiguous");
@@ -571,10 +577,17 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
       }
     }
   }
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == query.size(1),
+                "sinks must be a contiguous float32 tensor of one logit per head");
+    sink_ptr = sinks->data_ptr<float>();
+  }
   auto out = at::empty({query.size(0), query.size(1), value_cache.size(3)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(query, key_cache, value_cache, tables, lens, out, scale, sliding_window,
-                     softcap);
+                     softcap, sink_ptr);
   });
   return out;
 }

@@ -90,6 +90,9 @@ class Scheduler:
     ``preemptions``.
 
     ``groups`` are the cache groups (default: one full-attention group).
+    ``state_slots`` (the model's state layers: ``max_num_seqs``) gives every running
+    request a state slot; no more than ``max_num_seqs`` requests ever run, so one is
+    always free at admission.
     """
 
     policy = "fifo"
@@ -106,6 +109,7 @@ class Scheduler:
         groups: Sequence[CacheGroup] | None = None,
         swap_blocks: int = 0,
         admission: str = "eager",
+        state_slots: int = 0,
     ) -> None:
         self.kv = KVCacheManager(
             allocator,
@@ -113,6 +117,7 @@ class Scheduler:
             groups,
             enable_prefix_caching=enable_prefix_caching,
             swap_blocks=swap_blocks,
+            state_slots=state_slots,
         )
         # "full_length": admit only what fits to the end (EngineConfig.admission).
         self.full_length_admission = admission == "full_length"
@@ -356,7 +361,9 @@ class Scheduler:
                 self.stats["prefill_tokens"] += count
             tables = self.kv.block_tables(request)
             out.scheduled.append(
-                ScheduledRequest.of(request, start, count, tables, self.block_size)
+                ScheduledRequest.of(
+                    request, start, count, tables, self.block_size, self.kv.state_slot(request)
+                )
             )
             request.num_computed_tokens = start + count
 

@@ -1,0 +1,509 @@
+"""Layers that keep a per-request state instead of a KV cache, run on cbgen's state slots.
+
+Mamba/Mamba2 mixers, gated-delta-rule layers (Qwen3-Next, Kimi-Linear, OLMo-hybrid),
+short convolutions (LFM2) and lightning attention (MiniMax) do not go through
+transformers' attention interface:
+they keep a convolution window and a recurrent state in the ``Cache`` they are handed
+(``get_conv_state`` / ``update_conv_state`` / ``get_recurrent_state`` /
+``update_recurrent_state``, or the cache layer's ``conv_states`` /
+``recurrent_states`` on older transformers; MiniMax: ``get_linear_cache`` /
+``set_linear_cache``). cbgen packs every request of a step into
+one sequence, which such a layer would read as one long request: wrong from the first
+token. So the executor swaps each of these modules' ``forward`` while it lives for one
+that splits the packed rows by request and runs the module's own code (transformers'
+torch implementations, exact) once per prefill chunk and once for all single-token
+rows together, each time with a ``Cache`` whose one ``LinearAttentionLayer`` holds
+those requests' states, gathered from their slots (``cbgen.cache.state.StateCache``)
+and written back after the call. Arguments with a value per token (position ids,
+rotary embeddings) are split along with the rows.
+
+The probe forward runs the swapped modules on a fresh cache and records what each
+keeps (``StateSpec``): shapes, dtypes, how many states. A module that keeps state
+some other way (a linear cache of its own, say) is refused by name when the executor
+is built: cbgen never runs a model it cannot run exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cache.state import StateSpec, StateTensorSpec
+from .metadata import ProbeRecord, StateSegments
+
+# How a module's code reads and writes the state API of transformers' Cache.
+_STATE_API = re.compile(
+    r"\.(get_conv_state|update_conv_state|get_recurrent_state|update_recurrent_state)\("
+    r"|\.(conv_states|recurrent_states)\["
+)
+# MiniMax's lightning attention: one ``[heads, dim, dim]`` state through a cache of its own.
+_LINEAR_CACHE_API = re.compile(r"\.get_linear_cache\(")
+# State kept some other way: named in the refusal.
+_OTHER_STATE = {
+    "update_compressor_states": "compressed attention entries (update_compressor_states)",
+    "update_indexer": "an indexer key cache (update_indexer)",
+}
+# Arguments that describe how the rows are packed: a call over one request's rows gets none.
+_PACKING_KWARGS = {"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+_CACHE_ARGS = ("cache_params", "past_key_values")
+_PROBE_STATES = 8  # state slots offered to a module during the probe
+
+
+# ``config.layer_types`` entries of layers that keep a per-request state (transformers
+# names Mamba layers "linear_attention" too; "hybrid": a Mamba mixer beside attention).
+STATE_LAYER_TYPES = frozenset(
+    {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"}
+)
+
+
+def declared_state_layers(config: Any) -> int:
+    """How many layers the model's config says keep a per-request state."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or []
+    return sum(1 for kind in layer_types if kind in STATE_LAYER_TYPES)
+
+
+class UnsupportedStateLayer(ValueError):
+    """A layer keeps per-request state cbgen cannot hold exactly."""
+
+
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+def _state_usage(
+    module: nn.Module, cache: dict[type, tuple[str | None, str | None]]
+) -> tuple[str | None, str | None]:
+    """How the module's class keeps its state: ``"cache"`` (the Cache state API),
+    ``"linear"`` (``get_linear_cache``) or None; and another kind of state it keeps that
+    cbgen cannot hold (None: none)."""
+    cls = type(module)
+    if cls not in cache:
+        source = _class_source(cls)
+        other = next((why for name, why in _OTHER_STATE.items() if name in source), None)
+        protocol = None
+        if _STATE_API.search(source):
+            protocol = "cache"
+        elif _LINEAR_CACHE_API.search(source):
+            protocol = "linear"
+        cache[cls] = (protocol, other)
+    return cache[cls]
+
+
+def _cache_argument(forward: Callable[..., Any]) -> str | None:
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in _CACHE_ARGS if name in params), None)
+
+
+class StateMixers:
+    """The model's state-keeping modules, swapped to run on cbgen's state slots.
+
+    Built with the model: finds them (refusing any it cannot run) and swaps their
+    ``forward``; ``specs`` is filled by the probe forward; ``restore`` gives every
+    module its own ``forward`` back.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules: list[nn.Module] = []
+        self.names: list[str] = []
+        self._originals: list[Callable[..., Any]] = []
+        self._protocols: list[str] = []  # "cache" or "linear" (see ``_state_usage``)
+        self._cache_args: list[str] = []
+        self._layer_idx: list[int] = []  # each module's index in transformers' Cache
+        self.specs: list[StateSpec | None] = []
+        usage: dict[type, tuple[str | None, str | None]] = {}
+        refused: list[str] = []
+        for name, module in model.named_modules():
+            protocol, other = _state_usage(module, usage)
+            if other is not None:
+                refused.append(f"{name} ({type(module).__name__}) keeps {other}")
+                continue
+            if protocol is None:
+                continue
+            cache_arg = _cache_argument(module.forward)
+            layer_idx = getattr(module, "layer_idx", None)
+            if cache_arg is None or not isinstance(layer_idx, int):
+                refused.append(
+                    f"{name} ({type(module).__name__}) keeps a recurrent or convolution "
+                    "state but takes no cache argument (or layer index) cbgen can hand it"
+                )
+                continue
+            self.modules.append(module)
+            self.names.append(name)
+            self._originals.append(module.forward)
+            self._protocols.append(protocol)
+            self._cache_args.append(cache_arg)
+            self._layer_idx.append(layer_idx)
+            self.specs.append(None)
+        # Per module: whether a chunk of several tokens may start from a kept state
+        # (else it runs a token at a time; see ``_check_continuation``).
+        self.chunks_continue: list[bool] = [True] * len(self.modules)
+        if refused:
+            raise UnsupportedStateLayer(
+                f"{type(model).__name__} cannot run exactly in cbgen: "
+                + "; ".join(refused)
+                + ". cbgen refuses it rather than give wrong tokens"
+            )
+        for index, module in enumerate(self.modules):
+            module.forward = self._make_forward(index)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def restore(self) -> None:
+        """Give every swapped module its own ``forward`` back (idempotent)."""
+        for module in self.modules:
+            if "forward" in module.__dict__:
+                del module.forward
+        self.modules = []
+
+    def recorded_specs(self) -> list[StateSpec]:
+        """Every swapped module's ``StateSpec`` after the probe (raises for one that ran no
+        state: then the model does something cbgen cannot see)."""
+        missing = [self.names[i] for i, spec in enumerate(self.specs) if spec is None]
+        if missing:
+            raise UnsupportedStateLayer(
+                f"state layers {missing} did not run in the probe forward (or kept no state); "
+                "cbgen cannot tell what they keep"
+            )
+        return [spec for spec in self.specs if spec is not None]
+
+    # -- the swapped forward ----------------------------------------------------------
+
+    def _make_forward(self, index: int) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._forward(index, args, kwargs)
+
+        return forward
+
+    def _forward(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from ..attention import current_metadata
+
+        if args:
+            hidden, rest = args[0], args[1:]
+            if rest:
+                raise TypeError(
+                    f"{self.names[index]}: cbgen passes state layers their arguments by "
+                    "name; got extra positional arguments"
+                )
+        else:
+            hidden = kwargs.pop("hidden_states")
+        kwargs.pop(self._cache_args[index], None)
+        kwargs.pop("attention_mask", None)  # no padding: every split call is one request
+        for name in _PACKING_KWARGS:
+            kwargs.pop(name, None)
+        metadata = current_metadata()
+        if isinstance(metadata, ProbeRecord):
+            return self._probe(index, hidden, kwargs)
+        state = getattr(metadata, "state", None)
+        if state is None:
+            raise RuntimeError(
+                f"{self.names[index]} runs on cbgen's state slots only inside an engine step"
+            )
+        return self._run(index, hidden, kwargs, state)
+
+    def _probe(self, index: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        rows = hidden.shape[1]
+        bad = sorted(k for k, v in kwargs.items() if _holds_tensor(v) and not _per_token(v, rows))
+        if bad:
+            raise UnsupportedStateLayer(
+                f"{self.names[index]} ({type(self.modules[index]).__name__}) takes tensors "
+                f"{bad} that are not per token, which cbgen cannot split by request"
+            )
+        probe = _ProbeState()
+        result = self._call(index, hidden, kwargs, probe.handle(self._protocols[index]))
+        if not isinstance(_first(result), torch.Tensor):
+            raise UnsupportedStateLayer(
+                f"{self.names[index]} returns {type(result).__name__}, not a tensor"
+            )
+        tensors = probe.specs()
+        if tensors:
+            module = self.modules[index]
+            spec = StateSpec(self._layer_idx[index], type(module).__name__, tuple(tensors))
+            self.specs[index] = spec
+            self.chunks_continue[index] = self._check_continuation(index, hidden, kwargs, spec)
+        return result
+
+    def _check_continuation(
+        self, index: int, hidden: torch.Tensor, kwargs: dict[str, Any], spec: StateSpec
+    ) -> bool:
+        """Whether the module carries its state into a call of several tokens.
+
+        Runs it on 8 tokens of random input at once, and again as 4 tokens then 4
+        continuing, and as 4 then one token at a time. Single tokens must match (the
+        decode path; else the module is refused); whole chunks may not (Mamba's torch
+        scan starts from zeros whatever state it is handed), and then a continuing
+        chunk runs one token at a time. Returns whether chunks may continue.
+        """
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(1, 8, hidden.shape[-1], generator=generator).to(hidden)
+        x = x * hidden.float().std().clamp(min=1e-3).to(hidden.dtype)
+        # Per-token arguments of the probe's rows, repeated to 8 rows.
+        repeat = torch.arange(8, device=hidden.device) % hidden.shape[1]
+        kwargs = _split(kwargs, hidden.shape[1], lambda t: t.index_select(1, repeat))
+        tensors = [
+            torch.zeros((1, *t.shape), dtype=t.dtype, device=hidden.device) for t in spec.tensors
+        ]
+        slot = torch.zeros(1, dtype=torch.long, device=hidden.device)
+
+        def run(first: int, last: int, continues: bool) -> torch.Tensor:
+            part = _split(kwargs, 8, lambda t: t[:, first:last])
+            return self._run_slots(index, x[:, first:last], part, spec, tensors, slot, continues)
+
+        expected = run(0, 8, False)[:, 4:].float()
+        run(0, 4, False)
+        chunked = run(4, 8, True)
+        run(0, 4, False)
+        stepped = torch.cat([run(i, i + 1, True) for i in range(4, 8)], dim=1)
+        fresh = run(4, 8, False)
+        # Errors are measured against what the kept state is worth: the output's change
+        # if it were dropped. A state read wrongly costs a fair part of that, the rounding
+        # of another algorithm (a chunked scan against a recurrence) a tiny one.
+        worth = float((fresh.float() - expected).abs().max()) + 1e-30
+
+        def error(got: torch.Tensor) -> float:
+            return float((got.float() - expected).abs().max()) / worth
+
+        if error(stepped) > 0.01:
+            raise UnsupportedStateLayer(
+                f"{self.names[index]} ({spec.module}): one token at a time from its kept "
+                "state does not give what one call over the whole sequence gives"
+            )
+        return error(chunked) <= 0.01
+
+    def _run(
+        self, index: int, hidden: torch.Tensor, kwargs: dict[str, Any], state: StateSegments
+    ) -> Any:
+        spec = self.specs[index]
+        assert spec is not None
+        tensors = state.cache.tensors[index]
+        rows = hidden.shape[1]
+        out: torch.Tensor | None = None
+        if state.decode_rows is not None:
+            assert state.decode_slots is not None
+            if state.decode_only:
+
+                def pick(t: torch.Tensor) -> torch.Tensor:
+                    return t.transpose(0, 1)  # [1, rows, ...] -> [rows, 1, ...]
+            else:
+                decode_rows = state.decode_rows
+
+                def pick(t: torch.Tensor) -> torch.Tensor:
+                    return t[0].index_select(0, decode_rows).unsqueeze(1)
+
+            y = self._run_slots(
+                index,
+                pick(hidden),
+                _split(kwargs, rows, pick),
+                spec,
+                tensors,
+                state.decode_slots,
+                True,
+            )
+            if state.decode_only:
+                return _like_module_output(y.transpose(0, 1), self._protocols[index])
+            out = y.new_empty(1, rows, y.shape[-1])
+            out[0].index_copy_(0, state.decode_rows, y[:, 0])
+        for row, count, slot, continues, replay in state.chunks:
+            slots = state.slot_tensor(slot)
+            prompt = min(count, replay)  # the prompt's rows; the rest replay decodes
+            if continues and not self.chunks_continue[index]:
+                pieces = [(row + i, 1) for i in range(prompt)]  # a token at a time
+            else:
+                pieces = [(row, prompt)] if prompt else []
+            pieces += [(row + i, 1) for i in range(prompt, count)]
+            for start, length in pieces:
+                continues = continues or start > row
+                part = _split(kwargs, rows, _rows_of(start, length))
+                y = self._run_slots(
+                    index, hidden[:, start : start + length], part, spec, tensors, slots, continues
+                )
+                if out is None:
+                    out = y.new_empty(1, rows, y.shape[-1])
+                out[:, start : start + length] = y
+        assert out is not None
+        return _like_module_output(out, self._protocols[index])
+
+    def _run_slots(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        kwargs: dict[str, Any],
+        spec: StateSpec,
+        tensors: list[torch.Tensor],
+        slots: torch.Tensor,
+        continues: bool,
+    ) -> torch.Tensor:
+        """One call of the module over ``hidden`` (``[requests, tokens, dim]``) with the
+        states of ``slots``: read from them when the requests ``continue``, written back
+        after. Returns the module's output tensor."""
+        held = _SlotState(spec, tensors, slots, continues)
+        out = _first(self._call(index, hidden, kwargs, held.handle(self._protocols[index])))
+        held.write_back(self.names[index])
+        return out
+
+    def _call(self, index: int, hidden: torch.Tensor, kwargs: dict[str, Any], cache: Any) -> Any:
+        arguments = {self._cache_args[index]: cache, "attention_mask": None, **kwargs}
+        if self._protocols[index] == "cache":
+            arguments[self._cache_args[index]] = _one_layer_cache(self._layer_idx[index], cache)
+        return self._originals[index](hidden, **arguments)
+
+
+class _LinearCache:
+    """What MiniMax's lightning attention reads and writes its state through."""
+
+    def __init__(self, value: torch.Tensor | None) -> None:
+        self.value = value
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self.value
+
+    def set_linear_cache(self, layer_idx: int, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _ProbeState:
+    """A fresh state for a probe call; afterwards, the specs of what the module kept."""
+
+    def __init__(self) -> None:
+        self.layer: Any = None
+        self.linear: _LinearCache | None = None
+
+    def handle(self, protocol: str) -> Any:
+        if protocol == "linear":
+            self.linear = _LinearCache(None)
+            return self.linear
+        self.layer = _new_layer(_PROBE_STATES)
+        return self.layer
+
+    def specs(self) -> list[StateTensorSpec]:
+        if self.linear is not None:
+            value = self.linear.value
+            if value is None:
+                return []
+            return [StateTensorSpec("linear", 0, tuple(value.shape[1:]), value.dtype)]
+        layer, found = self.layer, []
+        for i in range(_PROBE_STATES):
+            if layer.is_conv_states_initialized[i]:
+                conv = layer.conv_states[i]
+                kernel = layer.conv_kernel_size[i]
+                found.append(StateTensorSpec("conv", i, tuple(conv.shape[1:]), conv.dtype, kernel))
+            if layer.is_recurrent_states_initialized[i]:
+                rec = layer.recurrent_states[i]
+                found.append(StateTensorSpec("recurrent", i, tuple(rec.shape[1:]), rec.dtype))
+        return found
+
+
+class _SlotState:
+    """The states of some slots for one call: gathered when the requests continue (else
+    left empty, so the module starts from zeros), written back after."""
+
+    def __init__(
+        self, spec: StateSpec, tensors: list[torch.Tensor], slots: torch.Tensor, continues: bool
+    ) -> None:
+        self.spec, self.tensors, self.slots, self.continues = spec, tensors, slots, continues
+        self.layer: Any = None
+        self.linear: _LinearCache | None = None
+
+    def handle(self, protocol: str) -> Any:
+        values = [t.index_select(0, self.slots) for t in self.tensors] if self.continues else None
+        if protocol == "linear":
+            self.linear = _LinearCache(values[0] if values is not None else None)
+            return self.linear
+        layer = self.layer = _new_layer(max(t.index for t in self.spec.tensors) + 1)
+        for i, t in enumerate(self.spec.tensors):
+            if values is None:
+                break
+            value = values[i]
+            if t.kind == "conv":
+                layer.conv_states[t.index] = value
+                layer.is_conv_states_initialized[t.index] = True
+                layer.conv_kernel_size[t.index] = t.conv_kernel
+            else:
+                layer.recurrent_states[t.index] = value
+                layer.is_recurrent_states_initialized[t.index] = True
+            layer.has_previous_state[t.index] = True
+            layer.device, layer.dtype = value.device, value.dtype
+        return layer
+
+    def write_back(self, name: str) -> None:
+        for t, tensor in zip(self.spec.tensors, self.tensors, strict=True):
+            if self.linear is not None:
+                value = self.linear.value
+            else:
+                held = self.layer.conv_states if t.kind == "conv" else self.layer.recurrent_states
+                value = held[t.index]
+            if value is None:
+                raise RuntimeError(f"{name} kept no {t.kind} state {t.index} this step")
+            tensor.index_copy_(0, self.slots, value.to(tensor.dtype))
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+def _per_token(value: Any, rows: int) -> bool:
+    """A tensor of ``[1, rows, ...]`` (or a tuple of them): one value per packed row."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_per_token(v, rows) for v in value)
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, rows)
+
+
+def _split(
+    kwargs: dict[str, Any], rows: int, pick: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, Any]:
+    """``kwargs`` with every per-token value cut to the rows ``pick`` takes."""
+    out = {}
+    for name, value in kwargs.items():
+        if _per_token(value, rows):
+            value = (
+                type(value)(pick(v) for v in value)
+                if isinstance(value, (tuple, list))
+                else pick(value)
+            )
+        out[name] = value
+    return out
+
+
+def _rows_of(start: int, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t[:, start : start + length]
+
+    return pick
+
+
+def _first(result: Any) -> Any:
+    """The module's output tensor (MiniMax's lightning attention returns a tuple)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _like_module_output(out: torch.Tensor, protocol: str) -> Any:
+    # MiniMax's decoder layer unpacks ``(output, weights)``; the others take the tensor.
+    return (out, None) if protocol == "linear" else out
+
+
+def _new_layer(number_of_states: int) -> Any:
+    from transformers.cache_utils import LinearAttentionLayer
+
+    return LinearAttentionLayer(number_of_states=number_of_states)
+
+
+def _one_layer_cache(layer_idx: int, layer: Any) -> Any:
+    """A transformers ``Cache`` whose layer ``layer_idx`` is ``layer`` (the others hold
+    nothing): the module's own code reads and writes its state through the real API."""
+    from transformers.cache_utils import Cache, DummyLayer
+
+    return Cache(layers=[DummyLayer()] * layer_idx + [layer])
