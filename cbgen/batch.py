@@ -12,7 +12,13 @@ from .cache.paged_cache import PagedKVCache
 from .cache.state import StateCache
 from .executor.attention import TorchReferenceAttention
 from .executor.base import AttentionBackend
-from .executor.metadata import AttentionMetadata, GroupTables, PrefillSpan, StateSegments
+from .executor.metadata import (
+    AttentionMetadata,
+    GroupTables,
+    PrefillSpan,
+    SlotSet,
+    StateSegments,
+)
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
@@ -242,7 +248,7 @@ class BatchBuilder:
             rows, slots = zip(*decodes, strict=True)
             device = self.device
             segments.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
-            segments.decode_slots = torch.tensor(slots, dtype=torch.long, device=device)
+            segments.decode_slots = SlotSet.of(slots, device)
             segments.decode_only = not chunks and len(rows) == num_rows
         return segments
 

@@ -120,6 +120,12 @@ class DraftModelProposer(Proposer):
         self._use_native_kernels = use_native_kernels
         self._prepack_linear = prepack_linear
         self.runner = self._executor()
+        if self.runner.probe.state_layers:
+            self.runner.close()
+            raise ValueError(
+                f"draft model {type(draft_model).__name__} keeps a per-request state "
+                f"({self.runner.probe.state_layers[0].module}); a draft must keep K/V only"
+            )
         self.layers = self.runner.probe.layers
         self.groups = build_groups(self.layers)
         self.bytes_per_token = bytes_per_token(tensor_layout(self.layers, self.groups)[1])

@@ -213,3 +213,25 @@ def test_a_state_layer_cbgen_does_not_recognize_is_refused_by_the_config(monkeyp
     with pytest.raises(UnsupportedStateLayer, match="declares 3 layers that keep a per-request"):
         EngineCore(qwen3_next, EngineConfig(num_blocks=16))
     assert qwen3_next.config._attn_implementation != "cbgen_paged"
+
+
+def test_a_state_model_as_draft_is_refused(llama, mamba):
+    config = EngineConfig(
+        num_blocks=32, speculative=cbgen.SpeculativeConfig(method="draft", draft_model=mamba)
+    )
+    with pytest.raises(ValueError, match="a draft must keep K/V only"):
+        EngineCore(llama, config)
+    assert llama.config._attn_implementation != "cbgen_paged"
+    assert mamba.config._attn_implementation != "cbgen_paged"
+    assert not any("forward" in m.__dict__ for m in mamba.modules())
+
+
+def test_consecutive_slots_are_read_in_place_others_gathered():
+    from cbgen.executor.metadata import SlotSet
+
+    cpu = torch.device("cpu")
+    assert SlotSet.of([3, 4, 5], cpu).first == 3
+    assert SlotSet.of([7], cpu).first == 7
+    assert SlotSet.of([4, 3], cpu).first is None
+    assert SlotSet.of([0, 2], cpu).first is None
+    assert SlotSet.of([0, 2], cpu).ids.tolist() == [0, 2] and len(SlotSet.of([0, 2], cpu)) == 2

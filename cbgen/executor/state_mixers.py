@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..cache.state import StateSpec, StateTensorSpec
-from .metadata import ProbeRecord, StateSegments
+from .metadata import ProbeRecord, SlotSet, StateSegments
 
 # How a module's code reads and writes the state API of transformers' Cache.
 _STATE_API = re.compile(
@@ -255,7 +255,7 @@ class StateMixers:
         tensors = [
             torch.zeros((1, *t.shape), dtype=t.dtype, device=hidden.device) for t in spec.tensors
         ]
-        slot = torch.zeros(1, dtype=torch.long, device=hidden.device)
+        slot = SlotSet.of([0], hidden.device)
 
         def run(first: int, last: int, continues: bool) -> torch.Tensor:
             part = _split(kwargs, 8, lambda t: t[:, first:last])
@@ -316,7 +316,7 @@ class StateMixers:
             out = y.new_empty(1, rows, y.shape[-1])
             out[0].index_copy_(0, state.decode_rows, y[:, 0])
         for row, count, slot, continues, replay in state.chunks:
-            slots = state.slot_tensor(slot)
+            slots = state.slot(slot)
             prompt = min(count, replay)  # the prompt's rows; the rest replay decodes
             if continues and not self.chunks_continue[index]:
                 pieces = [(row + i, 1) for i in range(prompt)]  # a token at a time
@@ -342,7 +342,7 @@ class StateMixers:
         kwargs: dict[str, Any],
         spec: StateSpec,
         tensors: list[torch.Tensor],
-        slots: torch.Tensor,
+        slots: SlotSet,
         continues: bool,
     ) -> torch.Tensor:
         """One call of the module over ``hidden`` (``[requests, tokens, dim]``) with the
@@ -406,18 +406,24 @@ class _ProbeState:
 
 
 class _SlotState:
-    """The states of some slots for one call: gathered when the requests continue (else
-    left empty, so the module starts from zeros), written back after."""
+    """The states of some slots for one call: read when the requests continue (else left
+    empty, so the module starts from zeros), written back after. Consecutive slots are
+    handed over as views, which the module's in-place updates write straight into."""
 
     def __init__(
-        self, spec: StateSpec, tensors: list[torch.Tensor], slots: torch.Tensor, continues: bool
+        self, spec: StateSpec, tensors: list[torch.Tensor], slots: SlotSet, continues: bool
     ) -> None:
         self.spec, self.tensors, self.slots, self.continues = spec, tensors, slots, continues
         self.layer: Any = None
         self.linear: _LinearCache | None = None
 
+    def _slots_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.slots.first is not None:
+            return tensor.narrow(0, self.slots.first, len(self.slots))
+        return tensor.index_select(0, self.slots.ids)
+
     def handle(self, protocol: str) -> Any:
-        values = [t.index_select(0, self.slots) for t in self.tensors] if self.continues else None
+        values = [self._slots_of(t) for t in self.tensors] if self.continues else None
         if protocol == "linear":
             self.linear = _LinearCache(values[0] if values is not None else None)
             return self.linear
@@ -446,7 +452,12 @@ class _SlotState:
                 value = held[t.index]
             if value is None:
                 raise RuntimeError(f"{name} kept no {t.kind} state {t.index} this step")
-            tensor.index_copy_(0, self.slots, value.to(tensor.dtype))
+            if self.slots.first is None:
+                tensor.index_copy_(0, self.slots.ids, value.to(tensor.dtype))
+                continue
+            target = tensor.narrow(0, self.slots.first, len(self.slots))
+            if value.data_ptr() != target.data_ptr() or value.stride() != target.stride():
+                target.copy_(value)  # else the module updated the view in place
 
 
 def _holds_tensor(value: Any) -> bool:
