@@ -143,7 +143,9 @@ def main() -> None:
         tokens = count * args.max_new_tokens
         rate = {name: tokens / statistics.median(t) for name, t in times.items()}
         # Each repeat's pair ran back to back: their ratio shows how far drift reaches.
-        pairs = ", ".join(f"{g / c:.2f}" for c, g in zip(times["cbgen"], times["generate"]))
+        pairs = ", ".join(
+            f"{g / c:.2f}" for c, g in zip(times["cbgen"], times["generate"], strict=True)
+        )
         print(
             f"| {count} | {rate['cbgen']:.1f} | {rate['generate']:.1f} | "
             f"{rate['cbgen'] / rate['generate']:.2f}x | {pairs} | {'yes' if same else 'no'} |"
