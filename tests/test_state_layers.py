@@ -235,3 +235,22 @@ def test_consecutive_slots_are_read_in_place_others_gathered():
     assert SlotSet.of([4, 3], cpu).first is None
     assert SlotSet.of([0, 2], cpu).first is None
     assert SlotSet.of([0, 2], cpu).ids.tolist() == [0, 2] and len(SlotSet.of([0, 2], cpu)) == 2
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHITECTURES)
+def test_bfloat16_state_models_are_accepted_with_the_same_chunk_decisions(arch):
+    """The probe's checks allow bfloat16's rounding (up to about 1% of what the state is
+    worth) and still catch a state that is ignored (10% of it and more)."""
+    decisions = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(build_config(arch), dtype=dtype).eval()
+        executor = Executor(model)
+        try:
+            assert executor.state_mixers is not None
+            decisions[dtype] = list(executor.state_mixers.chunks_continue)
+        finally:
+            executor.close()
+    assert decisions[torch.bfloat16] == decisions[torch.float32]

@@ -275,12 +275,15 @@ class StateMixers:
         def error(got: torch.Tensor) -> float:
             return float((got.float() - expected).abs().max()) / worth
 
-        if error(stepped) > 0.01:
+        # Measured: rounding stays under 2e-4 of the worth in float32 and 1.1e-2 in
+        # bfloat16; an ignored recurrent state (Mamba's scan) costs 0.1 to 0.9 of it.
+        limit = 0.01 if hidden.dtype in (torch.float32, torch.float64) else 0.05
+        if error(stepped) > limit:
             raise UnsupportedStateLayer(
                 f"{self.names[index]} ({spec.module}): one token at a time from its kept "
                 "state does not give what one call over the whole sequence gives"
             )
-        return error(chunked) <= 0.01
+        return error(chunked) <= limit
 
     def _run(
         self, index: int, hidden: torch.Tensor, kwargs: dict[str, Any], state: StateSegments
