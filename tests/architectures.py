@@ -194,7 +194,6 @@ def build_config(arch: str) -> Any:
             expert_layer_offset=1,
             attn_layer_period=2,
             attn_layer_offset=1,
-            use_mamba_kernels=False,
             mamba_d_state=8,
             mamba_d_conv=4,
             mamba_expand=2,
@@ -206,13 +205,7 @@ def build_config(arch: str) -> Any:
             num_experts_per_tok=2,
             shared_intermediate_size=64,
             layer_types=["mamba", "attention", "mamba"],
-            mamba_n_heads=4,
-            mamba_d_head=32,
-            mamba_n_groups=1,
-            mamba_d_state=16,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=16,
+            **_mamba2_fields(),
         )
     if arch == "nemotron_h":
         return tf.NemotronHConfig(
@@ -226,7 +219,6 @@ def build_config(arch: str) -> Any:
             conv_kernel=4,
             expand=2,
             chunk_size=16,
-            use_mamba_kernels=False,
         )
     if arch == "zamba2":
         return tf.Zamba2Config(
@@ -238,7 +230,6 @@ def build_config(arch: str) -> Any:
             mamba_ngroups=1,
             n_mamba_heads=4,
             chunk_size=16,
-            use_mamba_kernels=False,
             adapter_rank=8,
         )
     if arch == "kimi_linear":
