@@ -131,11 +131,15 @@ class EngineCore:
         else:
             # A draft's cache holds as many blocks as the target's, from the same budget.
             budget = config.kv_cache_memory or default_cache_budget(self.runner.device)
-            budget -= state_per_request * config.max_num_seqs  # the state slots come first
+            states = state_per_request * config.max_num_seqs  # the state slots come first
             both = per_token + (draft.bytes_per_token if draft is not None else 0)
-            num_blocks = budget // (both * config.block_size)
+            num_blocks = (budget - states) // (both * config.block_size)
             if num_blocks < 1:
-                raise ValueError(f"KV cache budget of {budget} bytes holds no block")
+                held = f" after {states} bytes of state slots" if states else ""
+                raise ValueError(
+                    f"KV cache budget of {budget} bytes holds no block{held}"
+                    + (" (fewer max_num_seqs need fewer slots)" if states else "")
+                )
         self._layers = layers
         self._num_blocks = num_blocks
         self._allocate_memory()

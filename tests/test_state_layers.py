@@ -209,7 +209,7 @@ def test_a_state_layer_cbgen_does_not_recognize_is_refused_by_the_config(monkeyp
     detection is blinded), its config's ``layer_types`` still names them: refused."""
     from cbgen.executor import state_mixers
 
-    monkeypatch.setattr(state_mixers, "_state_usage", lambda module, cache: (None, None))
+    monkeypatch.setattr(state_mixers, "_state_usage", lambda cls: (None, None))
     with pytest.raises(UnsupportedStateLayer, match="declares 3 layers that keep a per-request"):
         EngineCore(qwen3_next, EngineConfig(num_blocks=16))
     assert qwen3_next.config._attn_implementation != "cbgen_paged"
@@ -254,3 +254,32 @@ def test_bfloat16_state_models_are_accepted_with_the_same_chunk_decisions(arch):
         finally:
             executor.close()
     assert decisions[torch.bfloat16] == decisions[torch.float32]
+
+
+def test_the_state_slots_come_out_of_the_cache_budget_first(qwen3_next):
+    with EngineCore(qwen3_next, EngineConfig(num_blocks=16, max_num_seqs=4)) as engine:
+        per_request = sum(s.bytes_per_request for s in engine.state_specs)
+        per_block = engine.cache.bytes_per_block
+    budget = 4 * per_request + 10 * per_block
+    with EngineCore(qwen3_next, EngineConfig(kv_cache_memory=budget, max_num_seqs=4)) as engine:
+        assert engine.allocator.num_blocks == 10
+    with pytest.raises(ValueError, match="holds no block after .* bytes of state slots"):
+        EngineCore(qwen3_next, EngineConfig(kv_cache_memory=4 * per_request, max_num_seqs=4))
+
+
+def test_a_refresh_mid_run_recomputes_the_states(qwen3_next):
+    """RL's weight refresh rebuilds the executor (the state layers are swapped again) and
+    recomputes every request: the outputs stay those of ``generate()``."""
+    prompts = random_prompts(4, 5, 25, seed=11)
+    expected = [reference_greedy(qwen3_next, p, 12) for p in prompts]
+    with EngineCore(qwen3_next, EngineConfig(num_blocks=64, max_batch_tokens=16)) as engine:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=12), str(i))
+
+        def refresh(step):
+            if step == 4:
+                engine.refresh()
+
+        results = run_until_done(engine, refresh)
+        assert engine.scheduler.kv.state_slots.num_free == engine.config.max_num_seqs
+    assert [results[str(i)].token_ids for i in range(4)] == expected

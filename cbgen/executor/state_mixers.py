@@ -2,29 +2,30 @@
 
 Mamba/Mamba2 mixers, gated-delta-rule layers (Qwen3-Next, Kimi-Linear, OLMo-hybrid),
 short convolutions (LFM2) and lightning attention (MiniMax) do not go through
-transformers' attention interface:
-they keep a convolution window and a recurrent state in the ``Cache`` they are handed
-(``get_conv_state`` / ``update_conv_state`` / ``get_recurrent_state`` /
-``update_recurrent_state``, or the cache layer's ``conv_states`` /
-``recurrent_states`` on older transformers; MiniMax: ``get_linear_cache`` /
-``set_linear_cache``). cbgen packs every request of a step into
-one sequence, which such a layer would read as one long request: wrong from the first
-token. So the executor swaps each of these modules' ``forward`` while it lives for one
-that splits the packed rows by request and runs the module's own code (transformers'
-torch implementations, exact) once per prefill chunk and once for all single-token
-rows together, each time with a ``Cache`` whose one ``LinearAttentionLayer`` holds
-those requests' states, gathered from their slots (``cbgen.cache.state.StateCache``)
-and written back after the call. Arguments with a value per token (position ids,
-rotary embeddings) are split along with the rows.
+transformers' attention interface: they keep a convolution window and a recurrent
+state in the ``Cache`` they are handed (``get_conv_state`` / ``update_conv_state`` /
+``get_recurrent_state`` / ``update_recurrent_state``, or the cache layer's
+``conv_states`` / ``recurrent_states`` on older transformers; MiniMax:
+``get_linear_cache`` / ``set_linear_cache``). cbgen packs every request of a step
+into one sequence, which such a layer would read as one long request: wrong from the
+first token. So the executor swaps each of these modules' ``forward`` while it lives
+for one that splits the packed rows by request and runs the module's own code
+(transformers' torch implementations, exact) once per prefill chunk and once for all
+single-token rows together, each time with a ``Cache`` whose one
+``LinearAttentionLayer`` holds those requests' states, read from their slots
+(``cbgen.cache.state.StateCache``) and written back after the call. Arguments with a
+value per token (position ids, rotary tables) are split along with the rows.
 
 The probe forward runs the swapped modules on a fresh cache and records what each
-keeps (``StateSpec``): shapes, dtypes, how many states. A module that keeps state
-some other way (a linear cache of its own, say) is refused by name when the executor
-is built: cbgen never runs a model it cannot run exactly.
+keeps (``StateSpec``): shapes, dtypes, how many states; then checks that each carries
+its state across calls (``_check_continuation``). A module that keeps state some other
+way (DeepSeek-V4's compressors) is refused by name when the executor is built: cbgen
+never runs a model it cannot run exactly.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -72,30 +73,23 @@ class UnsupportedStateLayer(ValueError):
     """A layer keeps per-request state cbgen cannot hold exactly."""
 
 
-def _class_source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls)
-    except (OSError, TypeError):
-        return ""
-
-
-def _state_usage(
-    module: nn.Module, cache: dict[type, tuple[str | None, str | None]]
-) -> tuple[str | None, str | None]:
-    """How the module's class keeps its state: ``"cache"`` (the Cache state API),
+@functools.cache
+def _state_usage(cls: type) -> tuple[str | None, str | None]:
+    """How a module class keeps its state: ``"cache"`` (the Cache state API),
     ``"linear"`` (``get_linear_cache``) or None; and another kind of state it keeps that
-    cbgen cannot hold (None: none)."""
-    cls = type(module)
-    if cls not in cache:
-        source = _class_source(cls)
-        other = next((why for name, why in _OTHER_STATE.items() if name in source), None)
-        protocol = None
-        if _STATE_API.search(source):
-            protocol = "cache"
-        elif _LINEAR_CACHE_API.search(source):
-            protocol = "linear"
-        cache[cls] = (protocol, other)
-    return cache[cls]
+    cbgen cannot hold (None: none). Read from its source once per class (the executor is
+    built again on every weight refresh)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = ""
+    other = next((why for name, why in _OTHER_STATE.items() if name in source), None)
+    protocol = None
+    if _STATE_API.search(source):
+        protocol = "cache"
+    elif _LINEAR_CACHE_API.search(source):
+        protocol = "linear"
+    return protocol, other
 
 
 def _cache_argument(forward: Callable[..., Any]) -> str | None:
@@ -122,10 +116,9 @@ class StateMixers:
         self._cache_args: list[str] = []
         self._layer_idx: list[int] = []  # each module's index in transformers' Cache
         self.specs: list[StateSpec | None] = []
-        usage: dict[type, tuple[str | None, str | None]] = {}
         refused: list[str] = []
         for name, module in model.named_modules():
-            protocol, other = _state_usage(module, usage)
+            protocol, other = _state_usage(type(module))  # type: ignore[arg-type]
             if other is not None:
                 refused.append(f"{name} ({type(module).__name__}) keeps {other}")
                 continue
