@@ -2,11 +2,13 @@
 
 Run on a machine with a GPU (the device tool's H200 here: torch 2.11, transformers 5.17):
 
-    PYTHONPATH=.:tests python3 bench/cuda_check.py [cuda|cpu]
+    PYTHONPATH=.:tests python3 bench/cuda_check.py [cuda|cpu] [all]
 
-For every tiny random-weight architecture of the exactness suite (``tests/conftest.py``)
-it runs a batch mix with chunked prefill and preemption, once plain, once with async
-scheduling and once with proposed tokens to verify (half of them wrong), and asserts
+For every tiny random-weight architecture of the exactness suite (``tests/conftest.py``;
+with ``all`` also the MoE, MLA, attention-sink and state-layer families of
+``tests/architectures.py``) it runs a batch mix with chunked prefill and preemption, once
+plain, once with async scheduling and once with proposed tokens to verify (half of them
+wrong; not for state models, whose engine refuses speculation), and asserts
 token-identical output. It prints which backends served (the CPU kernels and oneDNN
 refuse a CUDA device) and a line per case; it exits non-zero on any mismatch.
 """
@@ -19,6 +21,13 @@ import time
 
 import torch
 import transformers
+from architectures import (
+    MLA_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    SINK_ARCHITECTURES,
+    STATE_ARCHITECTURES,
+    build_config,
+)
 from conftest import ARCHITECTURES, make_tiny_model, random_prompts
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
@@ -72,8 +81,18 @@ def main() -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {name}")
     failures = 0
     rng = random.Random(0)
-    for arch in ARCHITECTURES:
-        model = make_tiny_model(arch).to(device)
+    families = list(ARCHITECTURES)
+    if "all" in sys.argv[2:]:
+        families += MOE_ARCHITECTURES + MLA_ARCHITECTURES + SINK_ARCHITECTURES
+        families += STATE_ARCHITECTURES
+    for arch in families:
+        if arch in ARCHITECTURES:
+            model = make_tiny_model(arch).to(device)
+        else:
+            torch.manual_seed(0)
+            config = build_config(arch)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = model.eval().to(device)
         prompts = random_prompts(8, 3, 40, seed=rng.randrange(1000))
         max_new = 20
         expected = [_reference(model, p, max_new) for p in prompts]
@@ -87,6 +106,8 @@ def main() -> int:
             ),
             "drafts": (EngineConfig(block_size=4, num_blocks=48, max_batch_tokens=32), expected),
         }
+        if arch in STATE_ARCHITECTURES:
+            del cases["drafts"]  # the engine refuses speculation for state layers
         for name, (config, references) in cases.items():
             start = time.perf_counter()
             try:

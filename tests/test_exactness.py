@@ -53,6 +53,34 @@ def test_moe_mla_and_sink_architectures_match_generate(arch, native):
     _check(model, prompts, 16, config)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES + MLA_ARCHITECTURES + SINK_ARCHITECTURES)
+def test_moe_mla_and_sink_architectures_through_preemption_prefix_cache_and_async(arch):
+    """The same families with a shared prefix (the prefix cache hands it over where the
+    model allows it), a cache too small for all (preemption), and async scheduling."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(arch), dtype=torch.float32).eval()
+    shared = random_prompts(1, 24, 24, seed=5)[0]
+    prompts = [shared + tail for tail in random_prompts(6, 1, 12, seed=6)]
+    expected = [reference_greedy(model, p, 16) for p in prompts]
+    config = EngineConfig(
+        block_size=4, num_blocks=24, max_batch_tokens=32, max_num_seqs=6, async_scheduling=True
+    )
+    with EngineCore(model, config) as engine:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=16), str(i))
+        results = run_until_done(engine)
+        if not any(group.is_windowed for group in engine.cache_groups):
+            # (Windowed layers give back what their window left: those fit; their
+            # preemption is tests/test_sliding_window.py's.)
+            assert engine.stats["preemptions"] > 0, "the cache was meant to be too small"
+        if engine.prefix_caching:
+            assert engine.stats["cached_tokens"] > 0
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert [results[str(i)].token_ids for i in range(len(prompts))] == expected
+
+
 def test_mixed_batch_with_chunked_prefill(llama):
     # Prompts far longer than the token budget: every one is prefilled in chunks,
     # interleaved with the decodes of the others.
