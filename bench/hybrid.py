@@ -10,6 +10,10 @@ and 64 prompts, greedy, every request exactly ``--max-new-tokens`` long. Prints 
 median output tokens per second of each, cbgen's ratio, whether the outputs agree, and
 the engine's KV bytes per token and state bytes per request. Both run transformers'
 torch implementations of the mixers (no mamba-ssm / flash-linear-attention on CPU).
+
+``--samples N`` measures GRPO's shape instead: every prompt N times (``n=N``, sampled),
+cbgen with prefix caching (the repeats start from a state checkpoint) against cbgen
+without, and how many prompt tokens the cache served.
 """
 
 from __future__ import annotations
@@ -103,6 +107,31 @@ def run_generate(model, prompts, new_tokens) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - started, out[:, width:].tolist()
 
 
+def run_samples(model, prompts, new_tokens, samples, repeats) -> None:
+    """``n=samples`` of every prompt, with and without prefix caching, alternated."""
+    params = SamplingParams(
+        max_new_tokens=new_tokens, ignore_eos=True, n=samples, temperature=1.0, seed=0
+    )
+    times: dict[bool, list[float]] = {True: [], False: []}
+    cached: dict[bool, int] = {}
+    for _ in range(repeats):
+        for caching in (True, False):
+            config = EngineConfig(max_num_seqs=64, enable_prefix_caching=caching)
+            started = time.perf_counter()
+            outputs = cbgen.generate_batch(model, prompts, params, config)
+            times[caching].append(time.perf_counter() - started)
+            cached[caching] = sum(c.num_cached_tokens for out in outputs for c in out.completions)
+    tokens = len(prompts) * samples * new_tokens
+    print("| prompts x samples | prefix caching | tok/s | prompt tokens from the cache |")
+    print("|---|---|---:|---:|")
+    for caching in (True, False):
+        rate = tokens / statistics.median(times[caching])
+        print(
+            f"| {len(prompts)} x {samples} | {'on' if caching else 'off'} | {rate:.1f} "
+            f"| {cached[caching]} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="falcon_h1")
@@ -110,6 +139,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--samples", type=int, default=0, help="GRPO shape: n per prompt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args.arch)
@@ -123,6 +153,10 @@ def main() -> None:
         f"KV {kv_bytes} bytes/token ({len(engine.cache.layers)} attention layers), "
         f"state {state_bytes} bytes/request ({state_layers} state layers)"
     )
+    if args.samples:
+        prompts = prompts_for(64 // args.samples)
+        run_samples(model, prompts, args.max_new_tokens, args.samples, args.repeats)
+        return
     print(
         "| prompts | cbgen tok/s | generate tok/s | cbgen ÷ generate | ratio per repeat "
         "| same tokens |"

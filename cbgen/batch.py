@@ -17,6 +17,7 @@ from .executor.metadata import (
     GroupTables,
     PrefillSpan,
     SlotSet,
+    StateChunk,
     StateSegments,
 )
 from .scheduler_output import ScheduledRequest, SchedulerOutput
@@ -103,7 +104,7 @@ class BatchBuilder:
         carry: list[tuple[int, int]] = []
         prefill_spans: list[tuple[int, int, int]] = []
         state_decodes: list[tuple[int, int]] = []  # (row, slot) of single tokens going on
-        state_chunks: list[tuple[int, int, int, bool, int]] = []
+        state_chunks: list[StateChunk] = []
         lists = [_GroupLists(group) for group in self.groups]
         # Per-row tables, for a backend that attends every row in one call.
         row_tables = self.attention.row_tables
@@ -141,12 +142,23 @@ class BatchBuilder:
             else:
                 prefill_spans.append((row, count, context_len))
             if chunk.state_slot >= 0:
-                if decode:
+                if decode and chunk.state_load < 0:
                     state_decodes.append((row, chunk.state_slot))
                 else:
-                    # Rows past the prompt: tokens generated before a preemption.
-                    replay = max(0, chunk.num_prompt_tokens - start)
-                    state_chunks.append((row, count, chunk.state_slot, start > 0, replay))
+                    save_at, save_slot = chunk.state_save or (0, -1)
+                    state_chunks.append(
+                        StateChunk(
+                            row,
+                            count,
+                            chunk.state_slot,
+                            continues=start > 0,
+                            # Rows past the prompt: tokens generated before a preemption.
+                            replay=max(0, chunk.num_prompt_tokens - start),
+                            load=chunk.state_load,
+                            save_at=save_at,
+                            save_slot=save_slot,
+                        )
+                    )
             if chunk.sample:
                 num_rows = chunk.num_sampled  # the last token, and one per draft before it
                 logits_indices.extend(range(row + count - num_rows, row + count))
@@ -239,7 +251,7 @@ class BatchBuilder:
     def _state_segments(
         self,
         decodes: list[tuple[int, int]],
-        chunks: list[tuple[int, int, int, bool, int]],
+        chunks: list[StateChunk],
         num_rows: int,
     ) -> StateSegments:
         assert self.state_cache is not None

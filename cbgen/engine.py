@@ -101,6 +101,12 @@ class EngineCore:
         per_token = bytes_per_token(tensor_layout(layers, self.cache_groups)[1])
         self.state_specs = self.runner.probe.state_layers
         state_per_request = state_bytes_per_request(self.state_specs)
+        # A prefix-cache hit of a state model starts from the state saved after its last
+        # cached block: as many such checkpoints as requests run at once.
+        self._num_checkpoints = 0
+        if self.state_specs and config.enable_prefix_caching:
+            if prefix_caching_unsupported_reason(model.config, self.cache_groups) is None:
+                self._num_checkpoints = config.max_num_seqs
         spec = config.speculative
         if spec is not None and self.state_specs:
             raise ValueError(
@@ -131,7 +137,8 @@ class EngineCore:
         else:
             # A draft's cache holds as many blocks as the target's, from the same budget.
             budget = config.kv_cache_memory or default_cache_budget(self.runner.device)
-            states = state_per_request * config.max_num_seqs  # the state slots come first
+            # The state slots (running requests' and checkpoints) come first.
+            states = state_per_request * (config.max_num_seqs + self._num_checkpoints)
             both = per_token + (draft.bytes_per_token if draft is not None else 0)
             num_blocks = (budget - states) // (both * config.block_size)
             if num_blocks < 1:
@@ -149,11 +156,6 @@ class EngineCore:
         self.prefix_caching = config.enable_prefix_caching
         if self.prefix_caching:
             reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
-            if reason is None and self.state_specs:
-                reason = (
-                    f"{len(self.state_specs)} layers keep a per-request state "
-                    f"({self.state_specs[0].module}), which a cached prefix would need too"
-                )
             if reason is not None:
                 self.prefix_caching = False
                 logger.info("cbgen: prefix caching off: %s", reason)
@@ -168,6 +170,7 @@ class EngineCore:
             swap_blocks=self.swap_space.num_blocks if self.swap_space is not None else 0,
             admission=config.admission,
             state_slots=config.max_num_seqs if self.state_specs else 0,
+            state_checkpoints=self._num_checkpoints,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions, spec_*
         self.sampler = self._make_sampler()
@@ -205,10 +208,12 @@ class EngineCore:
         )
         if self.state_specs:
             logger.info(
-                "cbgen: %d state layers, %d bytes per request, %d slots (max_num_seqs): %s",
+                "cbgen: %d state layers, %d bytes per request, %d slots (max_num_seqs) and "
+                "%d prefix-cache checkpoints: %s",
                 len(self.state_specs),
                 state_per_request,
                 config.max_num_seqs,
+                self._num_checkpoints,
                 "; ".join(s.describe() for s in self.state_specs),
             )
 
@@ -220,7 +225,9 @@ class EngineCore:
             self._layers, self._num_blocks, config.block_size, self.runner.device, self.cache_groups
         )
         self.state_cache = (
-            StateCache(self.state_specs, config.max_num_seqs, self.runner.device)
+            StateCache(
+                self.state_specs, config.max_num_seqs + self._num_checkpoints, self.runner.device
+            )
             if self.state_specs
             else None
         )
@@ -323,7 +330,7 @@ class EngineCore:
         """Forget every cached prefix block, so later requests compute their prompts afresh
         (as after a restart, without rebuilding the engine: the benchmark resets between
         repeats, as it does vLLM's). Blocks running requests hold stay theirs."""
-        self.allocator.reset_prefix_cache()
+        self.scheduler.kv.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -587,7 +594,7 @@ class EngineCore:
         """Every K/V computed so far is stale: requests compute theirs again, the prefix
         cache and a draft's cache start empty."""
         self.scheduler.recompute_all()
-        self.allocator.reset_prefix_cache()
+        self.scheduler.kv.reset_prefix_cache()
         if self.proposer is not None:
             self.proposer.reset()
 

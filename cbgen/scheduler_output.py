@@ -48,6 +48,9 @@ class ScheduledRequest:
     carry: tuple[int, int] | None = None  # (offset in token_ids, row of previous samples)
     num_drafts: int = 0
     state_slot: int = -1  # the request's slot in the state cache (-1: the model keeps none)
+    state_load: int = -1  # a prefix-cache hit: the checkpoint slot its state starts from
+    # Save the state after this many tokens into that checkpoint slot (a block boundary).
+    state_save: tuple[int, int] | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -63,6 +66,8 @@ class ScheduledRequest:
         block_tables: list[list[int]],
         block_size: int,
         state_slot: int = -1,
+        state_load: int = -1,
+        state_save: tuple[int, int] | None = None,
     ) -> ScheduledRequest:
         """``count`` tokens of ``request`` from position ``start``: its known tokens, then
         as many of its proposed ones as the count reaches past them."""
@@ -96,6 +101,8 @@ class ScheduledRequest:
             carry=carry,
             num_drafts=len(drafts),
             state_slot=state_slot,
+            state_load=state_load,
+            state_save=state_save,
         )
 
     @property

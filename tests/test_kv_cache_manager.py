@@ -40,6 +40,14 @@ def _check(manager: KVCacheManager, live: list[Request]) -> None:
         assert all(slot >= 0 for slot in slots), "a live request holds no state slot"
         assert len(set(slots)) == len(slots), "two requests share a state slot"
         assert manager.state_slots.num_free + len(slots) == manager.state_slots.num_slots
+    checkpoints = manager.checkpoints
+    if checkpoints is not None:
+        # Every checkpoint slot is free, registered under one hash, or pending: once.
+        pending = [slot for plans in manager._pending_checkpoints.values() for *_, slot in plans]
+        held = list(checkpoints.by_hash.values()) + pending + checkpoints._free
+        assert sorted(held) == list(
+            range(checkpoints.first_slot, checkpoints.first_slot + checkpoints.num_slots)
+        ), "a checkpoint slot leaked or is held twice"
     for r in live:
         tables = manager.block_tables(r)
         assert len(tables) == len(manager.groups), "a group's table is missing"
@@ -52,7 +60,7 @@ def _check(manager: KVCacheManager, live: list[Request]) -> None:
 
 operations = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "grow", "rollback", "window", "swap", "free"]),
+        st.sampled_from(["admit", "grow", "rollback", "window", "swap", "free", "checkpoint"]),
         st.integers(0, 3),  # which request
         st.integers(1, 9),  # how many tokens
     ),
@@ -80,6 +88,7 @@ def test_random_operations_never_leak_or_share_a_written_block(
         enable_prefix_caching=caching,
         swap_blocks=swap_blocks,
         state_slots=state_slots,  # 4 requests at most: always one free at admission
+        state_checkpoints=3 if state_slots else 0,
     )
     # Requests share a prefix, so the prefix cache has something to hand out.
     prompts = [[3] * 8 + [4 + i] * 4 for i in range(4)]
@@ -136,6 +145,13 @@ def test_random_operations_never_leak_or_share_a_written_block(
             manager.swap_in(request, 0)
             swapped.remove(request)
             live.append(request)
+        elif op == "checkpoint" and request in live:
+            start = max(0, request.num_computed_tokens - count)
+            plan = manager.plan_checkpoint(request, start, count)
+            if plan is not None:
+                offset, slot = plan
+                assert 0 < offset <= count and (start + offset) % block_size == 0
+                assert start + offset < request.num_prompt_tokens
         elif op == "free" and request in live:
             manager.free(request)
             live.remove(request)
@@ -154,6 +170,8 @@ def test_random_operations_never_leak_or_share_a_written_block(
         assert manager.host_allocator.num_free == swap_blocks
     if manager.state_slots is not None:
         assert manager.state_slots.num_free == state_slots
+    if manager.checkpoints is not None:
+        assert not manager._pending_checkpoints or not any(manager._pending_checkpoints.values())
 
 
 def test_rollback_of_rejected_tokens_frees_their_blocks_and_keeps_them_out_of_the_cache():

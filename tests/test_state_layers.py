@@ -110,19 +110,54 @@ def test_requests_arriving_and_aborted_mid_run_keep_the_rest_exact(qwen3_next):
         assert results[str(i)].token_ids == expected[i], i
 
 
-def test_prefix_caching_and_swap_fall_back_with_a_reason(qwen3_next, caplog):
-    prompts = [[5, 6, 7, 8] * 6 + [9 + i] for i in range(6)]  # a shared prefix
+@pytest.mark.parametrize("arch", STATE_ARCHITECTURES)
+def test_prefix_cache_hits_start_from_a_state_checkpoint(arch):
+    """Requests repeating a prompt (GRPO's samples, a re-asked question) take its cached
+    blocks and the state saved after the last of them, then compute the rest: exactly
+    ``generate()``'s tokens."""
+    model = _model(arch)
+    first, second = random_prompts(2, 17, 24, seed=12)
+    prompts = [first] * 3 + [second] * 3 + [first[:16] + [9]]
+    expected = [reference_greedy(model, p, 10) for p in prompts]
+    config = EngineConfig(block_size=4, num_blocks=128, max_batch_tokens=64, max_num_seqs=2)
+    outputs, stats = _run(model, prompts, 10, config)
+    assert [o.token_ids for o in outputs] == expected
+    repeats = [o.num_cached_tokens for o in outputs[1:3] + outputs[4:6]]
+    assert all(cached >= 16 for cached in repeats), repeats
+    # A prompt sharing 16 tokens (4 blocks) but no checkpoint there computes in full.
+    assert outputs[6].num_cached_tokens == 0
+
+
+def test_prefix_cache_hits_of_a_chunked_prompt_and_after_preemption(qwen3_next, mamba):
+    # Checkpoints at each chunk's last prompt block, a cache small enough to preempt and
+    # evict, async scheduling: hits start wherever a checkpoint and its blocks survive.
+    for model in (qwen3_next, mamba):
+        shared = random_prompts(1, 30, 30, seed=14)[0]
+        prompts = [shared + tail for tail in random_prompts(8, 2, 12, seed=15)]
+        expected = [reference_greedy(model, p, 14) for p in prompts]
+        config = EngineConfig(
+            block_size=4,
+            num_blocks=40,
+            max_batch_tokens=12,
+            max_num_seqs=3,
+            async_scheduling=True,
+        )
+        outputs, stats = _run(model, prompts, 14, config)
+        assert [o.token_ids for o in outputs] == expected
+        assert stats["cached_tokens"] > 0
+
+
+def test_swap_falls_back_to_recompute_with_a_reason(qwen3_next, caplog):
+    prompts = random_prompts(6, 10, 25, seed=16)
     expected = [reference_greedy(qwen3_next, p, 12) for p in prompts]
     config = EngineConfig(
-        block_size=4, num_blocks=30, max_batch_tokens=32, preemption_mode="swap", max_num_seqs=6
+        block_size=4, num_blocks=24, max_batch_tokens=32, preemption_mode="swap", max_num_seqs=6
     )
     with caplog.at_level(logging.INFO, logger="cbgen"):
         outputs, stats = _run(qwen3_next, prompts, 12, config)
     assert [o.token_ids for o in outputs] == expected
-    assert stats["cached_tokens"] == 0 and stats["swapped_out"] == 0
-    messages = caplog.text
-    assert "prefix caching off" in messages and "per-request state" in messages
-    assert "preemption recomputes" in messages
+    assert stats["preemptions"] > 0 and stats["swapped_out"] == 0
+    assert "preemption recomputes" in caplog.text
 
 
 def test_speculative_decoding_is_refused_for_state_models(qwen3_next):
@@ -179,7 +214,11 @@ def test_state_layers_are_described_in_bytes(qwen3_next):
         kinds = {t.kind for s in specs for t in s.tensors}
         assert kinds == {"conv", "recurrent"}
         assert engine.state_cache is not None
-        assert engine.state_cache.tensors[0][0].shape[0] == 3  # one slot per max_num_seqs
+        # One slot per max_num_seqs, and as many prefix-cache checkpoints.
+        assert engine.state_cache.tensors[0][0].shape[0] == 6
+    config = EngineConfig(num_blocks=16, max_num_seqs=3, enable_prefix_caching=False)
+    with EngineCore(qwen3_next, config) as engine:
+        assert engine.state_cache.tensors[0][0].shape[0] == 3
         assert "conv[0]" in specs[0].describe()
 
 
@@ -260,11 +299,12 @@ def test_the_state_slots_come_out_of_the_cache_budget_first(qwen3_next):
     with EngineCore(qwen3_next, EngineConfig(num_blocks=16, max_num_seqs=4)) as engine:
         per_request = sum(s.bytes_per_request for s in engine.state_specs)
         per_block = engine.cache.bytes_per_block
-    budget = 4 * per_request + 10 * per_block
+    # Four running requests' slots and four checkpoints, then the blocks.
+    budget = 8 * per_request + 10 * per_block
     with EngineCore(qwen3_next, EngineConfig(kv_cache_memory=budget, max_num_seqs=4)) as engine:
         assert engine.allocator.num_blocks == 10
     with pytest.raises(ValueError, match="holds no block after .* bytes of state slots"):
-        EngineCore(qwen3_next, EngineConfig(kv_cache_memory=4 * per_request, max_num_seqs=4))
+        EngineCore(qwen3_next, EngineConfig(kv_cache_memory=8 * per_request, max_num_seqs=4))
 
 
 def test_a_refresh_mid_run_recomputes_the_states(qwen3_next):

@@ -23,7 +23,7 @@ from ..request import Request
 from .allocator import BlockAllocator
 from .groups import FULL_GROUP, CacheGroup
 from .prefix_cache import BlockHash, extend_block_hashes
-from .state import StateSlotPool
+from .state import StateCheckpoints, StateSlotPool
 
 
 @dataclass
@@ -65,11 +65,21 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         swap_blocks: int = 0,
         state_slots: int = 0,
+        state_checkpoints: int = 0,
     ) -> None:
         self.allocator = allocator
         # One state slot per running request when the model has state layers.
         self.state_slots = StateSlotPool(state_slots) if state_slots > 0 else None
         self._state_slot: dict[Request, int] = {}
+        # States at cached block boundaries (slots after the running ones), for hits.
+        self.checkpoints = (
+            StateCheckpoints(state_checkpoints, state_slots)
+            if state_slots > 0 and state_checkpoints > 0 and enable_prefix_caching
+            else None
+        )
+        self._state_load: dict[Request, int] = {}  # checkpoint a hit starts from
+        # Checkpoints planned, not yet registered: (block index, block hash, slot).
+        self._pending_checkpoints: dict[Request, list[tuple[int, BlockHash, int]]] = {}
         self.block_size = block_size
         self.groups: tuple[CacheGroup, ...] = tuple(groups) if groups else (FULL_GROUP,)
         self._windowed = [i for i, g in enumerate(self.groups) if g.is_windowed]
@@ -156,6 +166,8 @@ class KVCacheManager:
         self._tables[request] = [first] + [self.allocator.allocate(total) for _ in self.groups[1:]]
         self._num_cached_blocks[request] = len(hits)
         self._take_state_slot(request)
+        if hits and self.checkpoints is not None:
+            self._state_load[request] = self.checkpoints.use(request.block_hashes[len(hits) - 1])
 
     def _take_state_slot(self, request: Request) -> None:
         if self.state_slots is not None and request not in self._state_slot:
@@ -197,11 +209,15 @@ class KVCacheManager:
         if slot is not None:
             assert self.state_slots is not None
             self.state_slots.free(slot)
+        self._state_load.pop(request, None)
         tables = self._tables.pop(request, None)
+        if tables is not None and self.enable_prefix_caching:
+            self._register(request, tables[0])
+        for _, _, checkpoint in self._pending_checkpoints.pop(request, []):
+            assert self.checkpoints is not None
+            self.checkpoints.release(checkpoint)  # its block was never computed
         if tables is None:
             return
-        if self.enable_prefix_caching:
-            self._register(request, tables[0])
         for blocks in tables:
             # Last block first: the tail of a prefix is evicted before its head.
             self.allocator.free(b for b in reversed(blocks) if b >= 0)
@@ -242,7 +258,15 @@ class KVCacheManager:
         scored = request.prompt_logprobs
         if scored is not None and len(scored) < request.num_prompt_tokens:
             return []
-        return self.allocator.lookup(hashes[:limit])
+        hits = self.allocator.lookup(hashes[:limit])
+        if self.state_slots is not None:
+            # A state model starts past a hit only from a checkpoint of its last block.
+            checkpoints = self.checkpoints
+            count = len(hits)
+            while count and (checkpoints is None or checkpoints.lookup(hashes[count - 1]) is None):
+                count -= 1
+            hits = hits[:count]
+        return hits
 
     def register_computed(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
@@ -259,6 +283,12 @@ class KVCacheManager:
         for index in range(done, full):
             self.allocator.cache_block(blocks[index], hashes[index])
         self._num_cached_blocks[request] = full
+        pending = self._pending_checkpoints.get(request)
+        if pending:
+            assert self.checkpoints is not None
+            for _, block_hash, checkpoint in [p for p in pending if p[0] < full]:
+                self.checkpoints.register(block_hash, checkpoint)
+            self._pending_checkpoints[request] = [p for p in pending if p[0] >= full]
 
     def next_block_in_flight(
         self,
@@ -354,6 +384,44 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.allocator.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
+
+    # -- state checkpoints ------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A new step is being planned: the checkpoints the last one read may be reused
+        (steps run in order, so its reads are done by the time this one's saves run)."""
+        if self.checkpoints is not None:
+            self.checkpoints.pinned.clear()
+
+    def take_state_load(self, request: Request) -> int:
+        """The checkpoint slot ``request``'s first chunk starts from (-1: none), once."""
+        return self._state_load.pop(request, -1)
+
+    def plan_checkpoint(self, request: Request, start: int, count: int) -> tuple[int, int] | None:
+        """Where in the chunk ``[start, start + count)`` of ``request`` to save a checkpoint,
+        and into which slot: after the last prompt block the chunk completes that a later
+        request with the same prompt can hit (the prefix cache keeps its last token out),
+        unless that block has one already (None: no checkpoint this chunk)."""
+        checkpoints = self.checkpoints
+        if checkpoints is None or count < 2:  # a single token runs with the decodes
+            return None
+        bs = self.block_size
+        boundary = min(start + count, request.num_prompt_tokens - 1) // bs * bs
+        if boundary <= start or boundary == 0:
+            return None
+        index = boundary // bs - 1
+        hashes = extend_block_hashes(request.block_hashes, request.token_ids, bs, index + 1)
+        block_hash = hashes[index]
+        pending = self._pending_checkpoints.setdefault(request, [])
+        if checkpoints.lookup(block_hash) is not None or any(p[1] == block_hash for p in pending):
+            return None
+        slot = checkpoints.take()
+        if slot is None:
+            return None
+        pending.append((index, block_hash, slot))
+        return boundary - start, slot
 
     def _final_blocks(self, request: Request) -> int:
         """Blocks per cache group that ``request`` holds at its final length."""

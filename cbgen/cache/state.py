@@ -113,3 +113,67 @@ class StateCache:
     @property
     def bytes_per_request(self) -> int:
         return state_bytes_per_request(self.specs)
+
+
+class StateCheckpoints:
+    """States at cached prefix boundaries, so a prefix-cache hit can start a state model
+    past the cached blocks.
+
+    A checkpoint is one more slot of the ``StateCache`` (ids from ``first_slot`` on)
+    holding every state layer's state right after a block of some request's prompt: the
+    KV-cache manager plans one for the last prompt block boundary each prefill chunk
+    reaches (``plan``), the executor copies the request's slot there at that row, and the
+    checkpoint joins the lookup (``by_hash``, least recently used first) when the block
+    itself is registered in the prefix cache, after its step. A hit is usable up to the
+    last of its blocks that has one. Checkpoints a step reads are pinned while it is
+    planned, so no save in the same step can take their slot.
+    """
+
+    def __init__(self, num_slots: int, first_slot: int) -> None:
+        from collections import OrderedDict
+
+        self.num_slots = num_slots
+        self.first_slot = first_slot
+        self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self.by_hash: OrderedDict[object, int] = OrderedDict()  # registered, LRU first
+        self.pinned: set[int] = set()
+
+    def lookup(self, block_hash: object) -> int | None:
+        return self.by_hash.get(block_hash)
+
+    def use(self, block_hash: object) -> int:
+        """The checkpoint of ``block_hash``, marked most recently used and pinned."""
+        self.by_hash.move_to_end(block_hash)
+        slot = self.by_hash[block_hash]
+        self.pinned.add(slot)
+        return slot
+
+    def take(self) -> int | None:
+        """A slot for a new checkpoint: a free one, else the least recently used one that
+        no request of this step reads (None: every one is pinned)."""
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self.by_hash.items():
+            if slot not in self.pinned:
+                del self.by_hash[block_hash]
+                return slot
+        return None
+
+    def register(self, block_hash: object, slot: int) -> None:
+        """The checkpoint in ``slot`` holds the state after the block ``block_hash``."""
+        if block_hash in self.by_hash:
+            self.release(slot)  # one already: keep it, give this slot back
+        else:
+            self.by_hash[block_hash] = slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def reset(self) -> None:
+        """Forget every registered checkpoint (the prefix cache was emptied)."""
+        self._free.extend(self.by_hash.values())
+        self.by_hash.clear()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)

@@ -74,24 +74,44 @@ class SlotSet:
         return int(self.ids.numel())
 
 
+@dataclass(frozen=True)
+class StateChunk:
+    """A chunk of one request's rows that a state layer runs on its own (not with the
+    single-token rows).
+
+    ``continues``: the request's state goes on from its slot (a chunk at position 0
+    starts from zeros). ``replay``: its rows from there on hold tokens the request
+    generated before a preemption; they run one at a time, as they first did, so the
+    recomputed state is the one decoding made (a chunked scan rounds differently from a
+    recurrence). ``load``: a prefix-cache hit, whose state is first copied from that
+    checkpoint slot. ``save_at`` / ``save_slot``: after that many rows, the state is
+    copied to that checkpoint slot (a block boundary of the prompt).
+    """
+
+    row: int
+    count: int
+    slot: int
+    continues: bool
+    replay: int
+    load: int = -1
+    save_at: int = 0
+    save_slot: int = -1
+
+
 @dataclass
 class StateSegments:
     """Which rows of a step continue which request's state (``cbgen.executor.state_mixers``).
 
     ``decode_rows`` / ``decode_slots``: the single-token chunks that continue a state,
     run together in one call (``decode_only``: they are every row of the step, in
-    order). ``chunks``: every other chunk as ``(row, count, slot, continues, replay)``,
-    one call each; a chunk at position 0 does not continue (its state starts from
-    zeros). Its rows from ``replay`` on hold tokens the request generated before it was
-    preempted: they run one at a time, as they first did, so the recomputed state is
-    the one decoding made (a chunked scan rounds differently from a recurrence).
+    order). ``chunks``: every other chunk, one call each (or more: see ``StateChunk``).
     """
 
     cache: StateCache
     decode_rows: torch.Tensor | None = None
     decode_slots: SlotSet | None = None
     decode_only: bool = False
-    chunks: list[tuple[int, int, int, bool, int]] = field(default_factory=list)
+    chunks: list[StateChunk] = field(default_factory=list)
 
     def slot(self, slot: int) -> SlotSet:
         return SlotSet.of([slot], self.cache.device)

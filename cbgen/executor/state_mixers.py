@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..cache.state import StateSpec, StateTensorSpec
-from .metadata import ProbeRecord, SlotSet, StateSegments
+from .metadata import ProbeRecord, SlotSet, StateChunk, StateSegments
 
 # How a module's code reads and writes the state API of transformers' Cache.
 _STATE_API = re.compile(
@@ -311,16 +311,13 @@ class StateMixers:
                 return _like_module_output(y.transpose(0, 1), self._protocols[index])
             out = y.new_empty(1, rows, y.shape[-1])
             out[0].index_copy_(0, state.decode_rows, y[:, 0])
-        for row, count, slot, continues, replay in state.chunks:
-            slots = state.slot(slot)
-            prompt = min(count, replay)  # the prompt's rows; the rest replay decodes
-            if continues and not self.chunks_continue[index]:
-                pieces = [(row + i, 1) for i in range(prompt)]  # a token at a time
-            else:
-                pieces = [(row, prompt)] if prompt else []
-            pieces += [(row + i, 1) for i in range(prompt, count)]
-            for start, length in pieces:
-                continues = continues or start > row
+        for chunk in state.chunks:
+            slots = state.slot(chunk.slot)
+            if chunk.load >= 0:  # a prefix-cache hit: its state from the checkpoint
+                for tensor in tensors:
+                    tensor[chunk.slot].copy_(tensor[chunk.load])
+            for start, length in self._pieces(index, chunk):
+                continues = chunk.continues or chunk.load >= 0 or start > chunk.row
                 part = _split(kwargs, rows, _rows_of(start, length))
                 y = self._run_slots(
                     index, hidden[:, start : start + length], part, spec, tensors, slots, continues
@@ -328,8 +325,43 @@ class StateMixers:
                 if out is None:
                     out = y.new_empty(1, rows, y.shape[-1])
                 out[:, start : start + length] = y
+                if chunk.save_slot >= 0 and start + length == chunk.row + chunk.save_at:
+                    for tensor in tensors:
+                        tensor[chunk.save_slot].copy_(tensor[chunk.slot])
         assert out is not None
         return _like_module_output(out, self._protocols[index])
+
+    def _pieces(self, index: int, chunk: StateChunk) -> list[tuple[int, int]]:
+        """The calls ``chunk`` takes, as ``(first row, rows)``: the prompt's rows at once
+        (a token at a time where the module cannot continue a chunk), the replayed ones a
+        token at a time, and a cut where a checkpoint is saved."""
+        row, count = chunk.row, chunk.count
+        prompt = min(count, chunk.replay)
+        pieces = [(row, prompt)] if prompt else []
+        pieces += [(row + i, 1) for i in range(prompt, count)]
+        cut = row + chunk.save_at
+        if chunk.save_slot >= 0:
+            pieces = [
+                part
+                for start, length in pieces
+                for part in (
+                    [(start, cut - start), (cut, start + length - cut)]
+                    if start < cut < start + length
+                    else [(start, length)]
+                )
+            ]
+        if self.chunks_continue[index]:
+            return pieces
+        fresh = not (chunk.continues or chunk.load >= 0)
+        return [
+            part
+            for start, length in pieces
+            for part in (
+                [(start, length)]
+                if length == 1 or (fresh and start == row)
+                else [(start + i, 1) for i in range(length)]
+            )
+        ]
 
     def _run_slots(
         self,

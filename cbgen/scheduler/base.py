@@ -92,7 +92,8 @@ class Scheduler:
     ``groups`` are the cache groups (default: one full-attention group).
     ``state_slots`` (the model's state layers: ``max_num_seqs``) gives every running
     request a state slot; no more than ``max_num_seqs`` requests ever run, so one is
-    always free at admission.
+    always free at admission. ``state_checkpoints`` more slots keep states at cached
+    prefix boundaries (``cbgen.cache.state.StateCheckpoints``).
     """
 
     policy = "fifo"
@@ -110,6 +111,7 @@ class Scheduler:
         swap_blocks: int = 0,
         admission: str = "eager",
         state_slots: int = 0,
+        state_checkpoints: int = 0,
     ) -> None:
         self.kv = KVCacheManager(
             allocator,
@@ -118,6 +120,7 @@ class Scheduler:
             enable_prefix_caching=enable_prefix_caching,
             swap_blocks=swap_blocks,
             state_slots=state_slots,
+            state_checkpoints=state_checkpoints,
         )
         # "full_length": admit only what fits to the end (EngineConfig.admission).
         self.full_length_admission = admission == "full_length"
@@ -230,6 +233,7 @@ class Scheduler:
         out = SchedulerOutput()
         kv = self.kv
         kv.free_swapped_in()
+        kv.begin_step()
         for request in self.running:
             self._discard_rejected(request)
         if kv.enable_prefix_caching:
@@ -359,10 +363,17 @@ class Scheduler:
                 self.stats["decode_tokens"] += count
             else:
                 self.stats["prefill_tokens"] += count
-            tables = self.kv.block_tables(request)
+            kv = self.kv
             out.scheduled.append(
                 ScheduledRequest.of(
-                    request, start, count, tables, self.block_size, self.kv.state_slot(request)
+                    request,
+                    start,
+                    count,
+                    kv.block_tables(request),
+                    self.block_size,
+                    kv.state_slot(request),
+                    kv.take_state_load(request),
+                    kv.plan_checkpoint(request, start, count),
                 )
             )
             request.num_computed_tokens = start + count
