@@ -20,7 +20,8 @@ The probe forward runs the swapped modules on a fresh cache and records what eac
 keeps (``StateSpec``): shapes, dtypes, how many states; then checks that each carries
 its state across calls (``_check_continuation``). A module that keeps state some other
 way (DeepSeek-V4's compressors) is refused by name when the executor is built: cbgen
-never runs a model it cannot run exactly.
+never runs a model it cannot run exactly. What one call is handed (the states in and
+out, the per-token arguments cut to its rows) is ``cbgen.executor.state_handles``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache.state import StateSpec, StateTensorSpec
+from ..cache.state import StateSpec
 from .metadata import ProbeRecord, SlotSet, StateChunk, StateSegments
+from .state_handles import (
+    ProbeState,
+    SlotState,
+    first_output,
+    holds_tensor,
+    like_module_output,
+    one_layer_cache,
+    per_token,
+    rows_of,
+    split_rows,
+)
 
 # How a module's code reads and writes the state API of transformers' Cache.
 _STATE_API = re.compile(
@@ -52,7 +64,6 @@ _OTHER_STATE = {
 # Arguments that describe how the rows are packed: a call over one request's rows gets none.
 _PACKING_KWARGS = {"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
 _CACHE_ARGS = ("cache_params", "past_key_values")
-_PROBE_STATES = 8  # state slots offered to a module during the probe
 
 
 # ``config.layer_types`` entries of layers that keep a per-request state (transformers
@@ -208,15 +219,15 @@ class StateMixers:
 
     def _probe(self, index: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         rows = hidden.shape[1]
-        bad = sorted(k for k, v in kwargs.items() if _holds_tensor(v) and not _per_token(v, rows))
+        bad = sorted(k for k, v in kwargs.items() if holds_tensor(v) and not per_token(v, rows))
         if bad:
             raise UnsupportedStateLayer(
                 f"{self.names[index]} ({type(self.modules[index]).__name__}) takes tensors "
                 f"{bad} that are not per token, which cbgen cannot split by request"
             )
-        probe = _ProbeState()
+        probe = ProbeState()
         result = self._call(index, hidden, kwargs, probe.handle(self._protocols[index]))
-        if not isinstance(_first(result), torch.Tensor):
+        if not isinstance(first_output(result), torch.Tensor):
             raise UnsupportedStateLayer(
                 f"{self.names[index]} returns {type(result).__name__}, not a tensor"
             )
@@ -246,14 +257,14 @@ class StateMixers:
         x = x * hidden.float().std().clamp(min=1e-3).to(hidden.dtype)
         # Per-token arguments of the probe's rows, repeated to 8 rows.
         repeat = torch.arange(8, device=hidden.device) % hidden.shape[1]
-        kwargs = _split(kwargs, hidden.shape[1], lambda t: t.index_select(1, repeat))
+        kwargs = split_rows(kwargs, hidden.shape[1], lambda t: t.index_select(1, repeat))
         tensors = [
             torch.zeros((1, *t.shape), dtype=t.dtype, device=hidden.device) for t in spec.tensors
         ]
         slot = SlotSet.of([0], hidden.device)
 
         def run(first: int, last: int, continues: bool) -> torch.Tensor:
-            part = _split(kwargs, 8, lambda t: t[:, first:last])
+            part = split_rows(kwargs, 8, lambda t: t[:, first:last])
             return self._run_slots(index, x[:, first:last], part, spec, tensors, slot, continues)
 
         def from_prefix(scale: float) -> None:
@@ -312,14 +323,14 @@ class StateMixers:
             y = self._run_slots(
                 index,
                 pick(hidden),
-                _split(kwargs, rows, pick),
+                split_rows(kwargs, rows, pick),
                 spec,
                 tensors,
                 state.decode_slots,
                 True,
             )
             if state.decode_only:
-                return _like_module_output(y.transpose(0, 1), self._protocols[index])
+                return like_module_output(y.transpose(0, 1), self._protocols[index])
             out = y.new_empty(1, rows, y.shape[-1])
             out[0].index_copy_(0, state.decode_rows, y[:, 0])
         for chunk in state.chunks:
@@ -329,7 +340,7 @@ class StateMixers:
                     tensor[chunk.slot].copy_(tensor[chunk.load])
             for start, length in self._pieces(index, chunk):
                 continues = chunk.continues or chunk.load >= 0 or start > chunk.row
-                part = _split(kwargs, rows, _rows_of(start, length))
+                part = split_rows(kwargs, rows, rows_of(start, length))
                 y = self._run_slots(
                     index, hidden[:, start : start + length], part, spec, tensors, slots, continues
                 )
@@ -340,7 +351,7 @@ class StateMixers:
                     for tensor in tensors:
                         tensor[chunk.save_slot].copy_(tensor[chunk.slot])
         assert out is not None
-        return _like_module_output(out, self._protocols[index])
+        return like_module_output(out, self._protocols[index])
 
     def _pieces(self, index: int, chunk: StateChunk) -> list[tuple[int, int]]:
         """The calls ``chunk`` takes, as ``(first row, rows)``: the prompt's rows at once
@@ -387,185 +398,13 @@ class StateMixers:
         """One call of the module over ``hidden`` (``[requests, tokens, dim]``) with the
         states of ``slots``: read from them when the requests ``continue``, written back
         after. Returns the module's output tensor."""
-        held = _SlotState(spec, tensors, slots, continues)
-        out = _first(self._call(index, hidden, kwargs, held.handle(self._protocols[index])))
+        held = SlotState(spec, tensors, slots, continues)
+        out = first_output(self._call(index, hidden, kwargs, held.handle(self._protocols[index])))
         held.write_back(self.names[index])
         return out
 
     def _call(self, index: int, hidden: torch.Tensor, kwargs: dict[str, Any], cache: Any) -> Any:
         arguments = {self._cache_args[index]: cache, "attention_mask": None, **kwargs}
         if self._protocols[index] == "cache":
-            arguments[self._cache_args[index]] = _one_layer_cache(self._layer_idx[index], cache)
+            arguments[self._cache_args[index]] = one_layer_cache(self._layer_idx[index], cache)
         return self._originals[index](hidden, **arguments)
-
-
-class _LinearCache:
-    """What MiniMax's lightning attention reads and writes its state through."""
-
-    def __init__(self, value: torch.Tensor | None) -> None:
-        self.value = value
-
-    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
-        return self.value
-
-    def set_linear_cache(self, layer_idx: int, value: torch.Tensor) -> None:
-        self.value = value
-
-
-class _ProbeState:
-    """A fresh state for a probe call; afterwards, the specs of what the module kept."""
-
-    def __init__(self) -> None:
-        self.layer: Any = None
-        self.linear: _LinearCache | None = None
-
-    def handle(self, protocol: str) -> Any:
-        if protocol == "linear":
-            self.linear = _LinearCache(None)
-            return self.linear
-        self.layer = _new_layer(_PROBE_STATES)
-        return self.layer
-
-    def specs(self) -> list[StateTensorSpec]:
-        if self.linear is not None:
-            value = self.linear.value
-            if value is None:
-                return []
-            return [StateTensorSpec("linear", 0, tuple(value.shape[1:]), value.dtype)]
-        layer, found = self.layer, []
-        for i in range(_PROBE_STATES):
-            if layer.is_conv_states_initialized[i]:
-                conv = layer.conv_states[i]
-                kernel = layer.conv_kernel_size[i]
-                found.append(StateTensorSpec("conv", i, tuple(conv.shape[1:]), conv.dtype, kernel))
-            if layer.is_recurrent_states_initialized[i]:
-                rec = layer.recurrent_states[i]
-                found.append(StateTensorSpec("recurrent", i, tuple(rec.shape[1:]), rec.dtype))
-        return found
-
-
-class _SlotState:
-    """The states of some slots for one call: read when the requests continue (else left
-    empty, so the module starts from zeros), written back after. Consecutive slots are
-    handed over as views, which the module's in-place updates write straight into."""
-
-    def __init__(
-        self, spec: StateSpec, tensors: list[torch.Tensor], slots: SlotSet, continues: bool
-    ) -> None:
-        self.spec, self.tensors, self.slots, self.continues = spec, tensors, slots, continues
-        self.layer: Any = None
-        self.linear: _LinearCache | None = None
-
-    def _slots_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.slots.first is not None:
-            return tensor.narrow(0, self.slots.first, len(self.slots))
-        return tensor.index_select(0, self.slots.ids)
-
-    def handle(self, protocol: str) -> Any:
-        values = [self._slots_of(t) for t in self.tensors] if self.continues else None
-        if protocol == "linear":
-            self.linear = _LinearCache(values[0] if values is not None else None)
-            return self.linear
-        layer = self.layer = _new_layer(max(t.index for t in self.spec.tensors) + 1)
-        for i, t in enumerate(self.spec.tensors):
-            if values is None:
-                break
-            value = values[i]
-            if t.kind == "conv":
-                layer.conv_states[t.index] = value
-                layer.is_conv_states_initialized[t.index] = True
-                layer.conv_kernel_size[t.index] = t.conv_kernel
-            else:
-                layer.recurrent_states[t.index] = value
-                layer.is_recurrent_states_initialized[t.index] = True
-            layer.has_previous_state[t.index] = True
-            layer.device, layer.dtype = value.device, value.dtype
-        return layer
-
-    def write_back(self, name: str) -> None:
-        for t, tensor in zip(self.spec.tensors, self.tensors, strict=True):
-            if self.linear is not None:
-                value = self.linear.value
-            else:
-                held = self.layer.conv_states if t.kind == "conv" else self.layer.recurrent_states
-                value = held[t.index]
-            if value is None:
-                raise RuntimeError(f"{name} kept no {t.kind} state {t.index} this step")
-            if self.slots.first is None:
-                tensor.index_copy_(0, self.slots.ids, value.to(tensor.dtype))
-                continue
-            target = tensor.narrow(0, self.slots.first, len(self.slots))
-            if value.data_ptr() != target.data_ptr() or value.stride() != target.stride():
-                target.copy_(value)  # else the module updated the view in place
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(isinstance(v, torch.Tensor) for v in value)
-    return isinstance(value, torch.Tensor)
-
-
-def _per_token(value: Any, rows: int) -> bool:
-    """A tensor of ``[1, rows, ...]`` (or a tuple of them): one value per packed row."""
-    if isinstance(value, (tuple, list)):
-        return bool(value) and all(_per_token(v, rows) for v in value)
-    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, rows)
-
-
-def _split(
-    kwargs: dict[str, Any], rows: int, pick: Callable[[torch.Tensor], torch.Tensor]
-) -> dict[str, Any]:
-    """``kwargs`` with every per-token value cut to the rows ``pick`` takes."""
-    out = {}
-    for name, value in kwargs.items():
-        if _per_token(value, rows):
-            value = (
-                type(value)(pick(v) for v in value)
-                if isinstance(value, (tuple, list))
-                else pick(value)
-            )
-        out[name] = value
-    return out
-
-
-def _rows_of(start: int, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        return t[:, start : start + length]
-
-    return pick
-
-
-def _first(result: Any) -> Any:
-    """The module's output tensor (MiniMax's lightning attention returns a tuple)."""
-    return result[0] if isinstance(result, tuple) else result
-
-
-def _like_module_output(out: torch.Tensor, protocol: str) -> Any:
-    # MiniMax's decoder layer unpacks ``(output, weights)``; the others take the tensor.
-    return (out, None) if protocol == "linear" else out
-
-
-def _new_layer(number_of_states: int) -> Any:
-    from transformers.cache_utils import LinearAttentionLayer
-
-    return LinearAttentionLayer(number_of_states=number_of_states)
-
-
-def _one_layer_cache(layer_idx: int, layer: Any) -> Any:
-    """A transformers ``Cache`` whose layer ``layer_idx`` is ``layer`` (the others hold
-    nothing): the module's own code reads and writes its state through the real API."""
-    from transformers.cache_utils import Cache
-
-    return Cache(layers=[_filler()] * layer_idx + [layer])
-
-
-@functools.cache
-def _filler() -> Any:
-    """What stands for the layers a one-layer cache does not hold: transformers'
-    ``DummyLayer`` (5.23), or nothing where it has none (5.17 only indexes the layer
-    asked for)."""
-    try:
-        from transformers.cache_utils import DummyLayer
-    except ImportError:
-        return None
-    return DummyLayer()
