@@ -27,6 +27,7 @@ import torch
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
+from cbgen.cache.state import state_bytes_per_request
 
 
 def build_model(arch: str) -> torch.nn.Module:
@@ -146,7 +147,7 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     with EngineCore(model, EngineConfig(max_num_seqs=64)) as engine:
         kv_bytes = engine.cache.bytes_per_block // engine.config.block_size
-        state_bytes = sum(s.bytes_per_request for s in engine.state_specs)
+        state_bytes = state_bytes_per_request(engine.state_specs)
         state_layers = len(engine.state_specs)
     print(
         f"{args.arch}: {params / 1e6:.0f}M parameters, float32, {args.threads} threads; "

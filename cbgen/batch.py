@@ -151,6 +151,7 @@ class BatchBuilder:
                             row,
                             count,
                             chunk.state_slot,
+                            SlotSet.of([chunk.state_slot], self.device),
                             continues=start > 0,
                             # Rows past the prompt: tokens generated before a preemption.
                             replay=max(0, chunk.num_prompt_tokens - start),

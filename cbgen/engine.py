@@ -101,12 +101,11 @@ class EngineCore:
         per_token = bytes_per_token(tensor_layout(layers, self.cache_groups)[1])
         self.state_specs = self.runner.probe.state_layers
         state_per_request = state_bytes_per_request(self.state_specs)
+        prefix_reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
         # A prefix-cache hit of a state model starts from the state saved after its last
         # cached block: as many such checkpoints as requests run at once.
-        self._num_checkpoints = 0
-        if self.state_specs and config.enable_prefix_caching:
-            if prefix_caching_unsupported_reason(model.config, self.cache_groups) is None:
-                self._num_checkpoints = config.max_num_seqs
+        caching = config.enable_prefix_caching and prefix_reason is None
+        self._num_checkpoints = config.max_num_seqs if self.state_specs and caching else 0
         spec = config.speculative
         if spec is not None and self.state_specs:
             raise ValueError(
@@ -154,11 +153,9 @@ class EngineCore:
             logger.warning("cbgen: swap_space holds no block; preemption will recompute")
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_caching = config.enable_prefix_caching
-        if self.prefix_caching:
-            reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
-            if reason is not None:
-                self.prefix_caching = False
-                logger.info("cbgen: prefix caching off: %s", reason)
+        if self.prefix_caching and prefix_reason is not None:
+            self.prefix_caching = False
+            logger.info("cbgen: prefix caching off: %s", prefix_reason)
         self.scheduler: Scheduler = make_scheduler(
             config.scheduler_policy,
             self.allocator,

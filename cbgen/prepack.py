@@ -179,6 +179,13 @@ class _SharedInput:
         return forward
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` that is only its matrix product. A subclass with a forward of its
+    own (PhiMoE's router returns a tuple) is more than that, and keeps its own forward
+    (no prepacked or quantized copy replaces it)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 class PackedLinears:
     """The linear maps of a model switched to prepacked kernels.
 
@@ -245,10 +252,8 @@ class PackedLinears:
         if not isinstance(module, nn.Module) or "forward" in module.__dict__:
             return False  # not a module, or already overridden: leave it
         if isinstance(module, nn.Linear):
-            # A subclass with a forward of its own (PhiMoE's router returns a tuple) is
-            # more than its matrix product: leave it as it is.
             return (
-                type(module).forward is nn.Linear.forward
+                plain_linear(module)
                 and module.weight.dtype == self.dtype
                 and module.weight.device.type == "cpu"
             )

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .prepack import LinearMap
+from .prepack import LinearMap, plain_linear
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +292,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> int:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or child.weight.device.type != "cpu":
                 continue
-            if type(child).forward is not nn.Linear.forward:
-                continue  # a subclass doing more than its product (PhiMoE's router)
+            if not plain_linear(child):
+                continue
             full = f"{parent_name}.{name}" if parent_name else name
             child_mode = "int8" if child is head else mode
             if child_mode == "int4" and not _int4_shape_ok(child, group_size):

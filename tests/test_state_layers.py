@@ -14,7 +14,7 @@ from conftest import random_prompts, reference_greedy, run_until_done
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.cache.state import StateSlotPool
+from cbgen.cache.state import StateSlotPool, state_bytes_per_request
 from cbgen.executor.runner import Executor
 from cbgen.executor.state_mixers import UnsupportedStateLayer
 
@@ -297,7 +297,7 @@ def test_bfloat16_state_models_are_accepted_with_the_same_chunk_decisions(arch):
 
 def test_the_state_slots_come_out_of_the_cache_budget_first(qwen3_next):
     with EngineCore(qwen3_next, EngineConfig(num_blocks=16, max_num_seqs=4)) as engine:
-        per_request = sum(s.bytes_per_request for s in engine.state_specs)
+        per_request = state_bytes_per_request(engine.state_specs)
         per_block = engine.cache.bytes_per_block
     # Four running requests' slots and four checkpoints, then the blocks.
     budget = 8 * per_request + 10 * per_block

@@ -15,6 +15,7 @@ finished request needs no clearing.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,10 +111,6 @@ class StateCache:
             for spec in self.specs
         ]
 
-    @property
-    def bytes_per_request(self) -> int:
-        return state_bytes_per_request(self.specs)
-
 
 class StateCheckpoints:
     """States at cached prefix boundaries, so a prefix-cache hit can start a state model
@@ -122,7 +119,7 @@ class StateCheckpoints:
     A checkpoint is one more slot of the ``StateCache`` (ids from ``first_slot`` on)
     holding every state layer's state right after a block of some request's prompt: the
     KV-cache manager plans one for the last prompt block boundary each prefill chunk
-    reaches (``plan``), the executor copies the request's slot there at that row, and the
+    reaches (``KVCacheManager.plan_checkpoint``), the executor copies the request's slot there at that row, and the
     checkpoint joins the lookup (``by_hash``, least recently used first) when the block
     itself is registered in the prefix cache, after its step. A hit is usable up to the
     last of its blocks that has one. Checkpoints a step reads are pinned while it is
@@ -130,8 +127,6 @@ class StateCheckpoints:
     """
 
     def __init__(self, num_slots: int, first_slot: int) -> None:
-        from collections import OrderedDict
-
         self.num_slots = num_slots
         self.first_slot = first_slot
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
@@ -173,7 +168,3 @@ class StateCheckpoints:
         """Forget every registered checkpoint (the prefix cache was emptied)."""
         self._free.extend(self.by_hash.values())
         self.by_hash.clear()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)

@@ -85,12 +85,14 @@ class StateChunk:
     recomputed state is the one decoding made (a chunked scan rounds differently from a
     recurrence). ``load``: a prefix-cache hit, whose state is first copied from that
     checkpoint slot. ``save_at`` / ``save_slot``: after that many rows, the state is
-    copied to that checkpoint slot (a block boundary of the prompt).
+    copied to that checkpoint slot (a block boundary of the prompt). ``slots``: the
+    request's slot as every layer's calls take it, built once for the step.
     """
 
     row: int
     count: int
     slot: int
+    slots: SlotSet
     continues: bool
     replay: int
     load: int = -1
@@ -112,9 +114,6 @@ class StateSegments:
     decode_slots: SlotSet | None = None
     decode_only: bool = False
     chunks: list[StateChunk] = field(default_factory=list)
-
-    def slot(self, slot: int) -> SlotSet:
-        return SlotSet.of([slot], self.cache.device)
 
 
 @dataclass

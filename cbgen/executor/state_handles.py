@@ -88,10 +88,7 @@ class SlotState:
             self.linear = LinearCache(values[0] if values is not None else None)
             return self.linear
         layer = self.layer = _new_layer(max(t.index for t in self.spec.tensors) + 1)
-        for i, t in enumerate(self.spec.tensors):
-            if values is None:
-                break
-            value = values[i]
+        for t, value in zip(self.spec.tensors, values or [], strict=False):
             if t.kind == "conv":
                 layer.conv_states[t.index] = value
                 layer.is_conv_states_initialized[t.index] = True

@@ -334,7 +334,6 @@ class StateMixers:
             out = y.new_empty(1, rows, y.shape[-1])
             out[0].index_copy_(0, state.decode_rows, y[:, 0])
         for chunk in state.chunks:
-            slots = state.slot(chunk.slot)
             if chunk.load >= 0:  # a prefix-cache hit: its state from the checkpoint
                 for tensor in tensors:
                     tensor[chunk.slot].copy_(tensor[chunk.load])
@@ -342,7 +341,13 @@ class StateMixers:
                 continues = chunk.continues or chunk.load >= 0 or start > chunk.row
                 part = split_rows(kwargs, rows, rows_of(start, length))
                 y = self._run_slots(
-                    index, hidden[:, start : start + length], part, spec, tensors, slots, continues
+                    index,
+                    hidden[:, start : start + length],
+                    part,
+                    spec,
+                    tensors,
+                    chunk.slots,
+                    continues,
                 )
                 if out is None:
                     out = y.new_empty(1, rows, y.shape[-1])

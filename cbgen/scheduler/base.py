@@ -358,12 +358,12 @@ class Scheduler:
     def _emit(self, step: _Step, out: SchedulerOutput) -> None:
         """Write the step's chunks into ``out`` as values and count their tokens as
         computed (the K/V is written by the time anything reads it: steps run in order)."""
+        kv = self.kv
         for request, start, count in step.chunks:
             if start == request.num_tokens - 1 and request.num_output_tokens > 0:
                 self.stats["decode_tokens"] += count
             else:
                 self.stats["prefill_tokens"] += count
-            kv = self.kv
             out.scheduled.append(
                 ScheduledRequest.of(
                     request,
