@@ -27,6 +27,7 @@ test: $(STAMP)
 	$(PY) -m ruff check cbgen tests bench examples
 	$(PY) -m ruff format --check cbgen tests bench examples
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -2,11 +2,11 @@
 
 ``python bench/compile_experiment.py [--quick] [--threads 2] [--out /tmp/compile_experiment.json]``
 
-Why: cbgen's decode step on CPU runs a hand-written decoder (``cbgen.fast_forward``:
+Why: cbgen's decode step on CPU runs a hand-written decoder (``cbgen.executor.cpu.fast_forward``:
 prepacked oneDNN GEMMs, fused q/k/v and gate/up, C++ ``add_rms_norm`` / ``rope_qkv`` and
 paged attention). The obvious alternative is to let ``torch.compile`` (inductor) fuse the
 Hugging Face model's own forward. This script measures both on the bundled SmolLM2-135M,
-in bfloat16 and with weight-only int8 linear maps (``cbgen.quantization.QuantizedLinear``,
+in bfloat16 and with weight-only int8 linear maps (``cbgen.executor.cpu.quantization.QuantizedLinear``,
 which call ``torch._weight_int8pack_mm``), and how long compiling costs.
 
 How (every measurement in a fresh subprocess, ``torch.set_num_threads(--threads)``):

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cbgen
-from cbgen.prepack import PackedMap
-from cbgen.quantization import QuantizedLinear
+from cbgen.executor.cpu.prepack import PackedMap
+from cbgen.executor.cpu.quantization import QuantizedLinear
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 

@@ -9,7 +9,7 @@ side by side are compared. Times are the main thread's CPU time with one thread
 (immune to being descheduled), wall time otherwise. Variants:
 
 * ``fast``: the default, prepacked weights and the decoder fast path
-  (``cbgen.fast_forward``);
+  (``cbgen.executor.cpu.fast_forward``);
 * ``prepack`` / ``no-prepack``: the model's own forward, with oneDNN prepacked
   linear maps on or off;
 * ``unfused``: the model's own forward, prepacked, but q/k/v and gate/up as
@@ -31,10 +31,10 @@ import torch
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.executor.attention import NativeCpuAttention, TorchReferenceAttention
+from cbgen.executor.cpu.fast_forward import build_fast_forward
+from cbgen.executor.cpu.kernels import decode_kernel
+from cbgen.executor.cpu.prepack import PackedLinears
 from cbgen.executor.native import NativeKernels
-from cbgen.fast_forward import build_fast_forward
-from cbgen.kernels import decode_kernel
-from cbgen.prepack import PackedLinears
 
 
 def prefilled_engine(model: torch.nn.Module, seqs: int, ctx: int) -> EngineCore:

@@ -21,8 +21,8 @@ import time
 import torch
 
 from cbgen import EngineConfig, SamplingParams
-from cbgen.engine import EngineCore
-from cbgen.online import Engine
+from cbgen.core.engine_core import EngineCore
+from cbgen.frontends.online import Engine
 
 
 def tiny_model() -> torch.nn.Module:

@@ -8,7 +8,7 @@ For each mode (float32, float32 weights with a bfloat16 K/V cache, bfloat16, int
 
 * the perplexity of ``bench/prompts/perplexity.txt`` (an original text of about 3,000
   tokens written for this benchmark), in segments of 256 tokens
-  (``cbgen.quality.perplexity``);
+  (``cbgen.bench.quality.perplexity``);
 * greedy agreement with float32: the mean number of leading tokens, of the first 32,
   that equal float32's output, over the 64 prompts of the ``chat64`` workload.
 """
@@ -25,8 +25,8 @@ import torch
 
 import cbgen
 from cbgen import EngineConfig
+from cbgen.bench.quality import greedy_agreement, greedy_outputs, perplexity
 from cbgen.bench.workloads import build_workload
-from cbgen.quality import greedy_agreement, greedy_outputs, perplexity
 
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "prompts" / "perplexity.txt"

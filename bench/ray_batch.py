@@ -31,7 +31,7 @@ from pathlib import Path
 import ray
 
 from cbgen.bench.workloads import bench_dir, read_lines
-from cbgen.jobs import run_batch_job
+from cbgen.frontends.jobs import run_batch_job
 
 CONFIGS = [("local 1x2", False, 1, 2), ("ray 1x2", True, 1, 2), ("ray 2x1", True, 2, 1)]
 

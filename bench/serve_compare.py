@@ -45,7 +45,7 @@ FIELDS = {
 
 def _model_dir() -> Path:
     sys.path.insert(0, str(ROOT))
-    from cbgen.models import cache_dir, load_model
+    from cbgen.models.loader import cache_dir, load_model
 
     folder = cache_dir() / "smollm2"
     if not (folder / "config.json").exists():

@@ -55,7 +55,7 @@ def save_tiny_model(folder: Path) -> None:
     import transformers as tf
 
     import cbgen
-    from cbgen.models import cache_dir
+    from cbgen.models.loader import cache_dir
 
     source = cache_dir() / "smollm2"
     if not (source / "tokenizer.json").exists():

@@ -1,15 +1,15 @@
 """cbgen: continuous-batching generation for Hugging Face transformers causal LMs."""
 
-from .config import EngineConfig
-from .engine import EngineCore
-from .generate import generate_batch
-from .models import load_model
-from .online import Engine, EngineClosedError, EngineOverloadedError
-from .request import Completion, FinishReason, RequestOutput
-from .rollout import Rollout, rollout
-from .sampling import SamplingParams
-from .speculative import SpeculativeConfig
-from .structured import StructuredOutput
+from .core.config import EngineConfig
+from .core.engine_core import EngineCore
+from .frontends.generate import generate_batch
+from .frontends.online import Engine, EngineClosedError, EngineOverloadedError
+from .models.loader import load_model
+from .requests.request import Completion, FinishReason, RequestOutput
+from .rl.rollout import Rollout, rollout
+from .sampling.params import SamplingParams
+from .sampling.structured import StructuredOutput
+from .spec.speculative import SpeculativeConfig
 
 __all__ = [
     "Completion",

@@ -2,10 +2,10 @@
 
 ``python -m cbgen bench ...``: the benchmark harness (``cbgen.bench``).
 
-``python -m cbgen serve ...``: an OpenAI-compatible server (``cbgen.server``).
+``python -m cbgen serve ...``: an OpenAI-compatible server (``cbgen.frontends.server``).
 
 ``python -m cbgen batch ...``: a JSONL or Parquet file of prompts, resumable, on this
-machine or on Ray (``cbgen.jobs``)."""
+machine or on Ray (``cbgen.frontends.jobs``)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import sys
 import time
 from typing import Any
 
-from .config import EngineConfig
-from .generate import generate_batch
-from .precision_args import add_precision_arguments, load_model_for
-from .sampling import SamplingParams
-from .speculative_args import add_speculative_arguments, speculative_config
-from .structured_args import add_structured_arguments, structured_output
+from .core.config import EngineConfig
+from .frontends.args.precision import add_precision_arguments, load_model_for
+from .frontends.args.speculative import add_speculative_arguments, speculative_config
+from .frontends.args.structured import add_structured_arguments, structured_output
+from .frontends.generate import generate_batch
+from .sampling.params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,13 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="serve an OpenAI-compatible API (completions, chat) over HTTP"
     )
-    from .server.cli import add_arguments as add_serve_arguments
+    from .frontends.server.cli import add_arguments as add_serve_arguments
 
     add_serve_arguments(serve)
     batch = commands.add_parser(
         "batch", help="run a JSONL/Parquet file of prompts into an output file (resumable, Ray)"
     )
-    from .jobs.cli import add_arguments as add_batch_arguments
+    from .frontends.jobs.cli import add_arguments as add_batch_arguments
 
     add_batch_arguments(batch)
     return parser
@@ -165,14 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve_command(args)
     if args.command == "batch":
-        from .jobs.cli import batch_command
+        from .frontends.jobs.cli import batch_command
 
         return batch_command(args)
     return 2
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from .server.cli import serve
+    from .frontends.server.cli import serve
 
     return serve(args)
 

@@ -1,5 +1,6 @@
 """Every reader of Linux's ``/proc`` in one place: memory, mappings, pages, the CPU;
-and ``trim_heap``, which hands freed heap memory back to the OS.
+and ``trim_heap``, which hands freed heap memory back to the OS; ``cache_dir``, where cbgen
+keeps what it builds once per machine (converted models, native kernels).
 
 Each returns a neutral value (``None``, empty, ``False``) where ``/proc`` is missing or
 unreadable (macOS, a sandbox), so callers fall back instead of failing.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -135,3 +137,9 @@ def cpu_name() -> str:
         if line.lower().startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    """Where converted models live (``$CBGEN_CACHE_DIR``, else ``~/.cache/cbgen``)."""
+    root = os.environ.get("CBGEN_CACHE_DIR") or Path.home() / ".cache" / "cbgen"
+    return Path(root)

@@ -3,7 +3,7 @@
     .venv/bin/python examples/ray_serve.py                        # 2 replicas x 1 thread, local Ray
     .venv/bin/python examples/ray_serve.py --replicas 4 --address auto --api-key KEY
 
-Each replica loads the model and runs its own engine (``cbgen.ray_serve``); Ray Serve
+Each replica loads the model and runs its own engine (``cbgen.frontends.ray_serve``); Ray Serve
 spreads the requests over them. Clients talk to ``http://HOST:PORT/v1`` as to ``cbgen
 serve``. ``deploy()`` is what the tests call.
 """
@@ -17,8 +17,8 @@ import threading
 import ray
 from ray import serve
 
-from cbgen.config import EngineConfig
-from cbgen.ray_serve import application
+from cbgen.core.config import EngineConfig
+from cbgen.frontends.ray_serve import application
 
 
 def deploy(

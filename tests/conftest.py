@@ -258,7 +258,7 @@ def fast_path_steps(model, prompts, max_new_tokens: int = 6) -> list[tuple]:
     prefill, decodes and mixed steps); for every step ``(fast logits, the model's own
     forward's logits on the same batch and cache, whether the step was decode-only)``."""
     import cbgen
-    from cbgen.runner import ModelRunner
+    from cbgen.executor.runner import Executor
 
     config = cbgen.EngineConfig(max_batch_tokens=24, block_size=4)
     steps: list[tuple] = []
@@ -271,7 +271,7 @@ def fast_path_steps(model, prompts, max_new_tokens: int = 6) -> list[tuple]:
             logits = fast(batch)
             runner.fast_forward = None  # the module path, on the same batch and cache
             try:
-                reference = ModelRunner.execute(runner, batch)
+                reference = Executor.execute(runner, batch)
             finally:
                 runner.fast_forward = both
             assert logits.dtype == reference.dtype == torch.float32
@@ -334,7 +334,7 @@ def write_jsonl(path, rows) -> None:
 def expected_token_ids(model_dir, rows, max_new_tokens):
     """``generate_batch`` on the same rows: the single-engine ground truth of a batch job."""
     import cbgen
-    from cbgen.jobs.rows import row_request
+    from cbgen.frontends.jobs.rows import row_request
 
     model, tokenizer = cbgen.load_model(str(model_dir))
     defaults = cbgen.SamplingParams(max_new_tokens=max_new_tokens)

@@ -7,9 +7,9 @@ import torch
 from conftest import make_tiny_model, run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.kernels import decode_kernel
-from cbgen.request import FinishReason
-from cbgen.sampler import Sampler
+from cbgen.executor.cpu.kernels import decode_kernel
+from cbgen.requests.request import FinishReason
+from cbgen.sampling.sampler import Sampler
 
 kernel = decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="native kernel could not be built")

@@ -11,7 +11,7 @@ from conftest import make_tiny_model, random_prompts, reference_greedy, run_unti
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.request import FinishReason
+from cbgen.requests.request import FinishReason
 
 BASE = EngineConfig(block_size=4, num_blocks=256, max_batch_tokens=32)
 

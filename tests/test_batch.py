@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from cbgen import SamplingParams
-from cbgen.batch import BatchBuilder
-from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
+from cbgen.cache.groups import LayerSpec
+from cbgen.cache.paged_cache import PagedKVCache
 from cbgen.executor.attention import NativeCpuAttention
+from cbgen.executor.batch import BatchBuilder
 from cbgen.executor.native import NativeKernels
-from cbgen.request import Request
-from cbgen.scheduler_output import ScheduledRequest, SchedulerOutput
+from cbgen.requests.request import Request
+from cbgen.requests.scheduler_output import ScheduledRequest, SchedulerOutput
 
 BS = 4
 

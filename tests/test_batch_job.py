@@ -10,8 +10,8 @@ import pytest
 from conftest import expected_token_ids, job_rows, write_jsonl
 
 from cbgen.cli import main
-from cbgen.jobs import Generator, run_batch_job
-from cbgen.jobs.files import read_rows
+from cbgen.frontends.jobs import Generator, run_batch_job
+from cbgen.frontends.jobs.files import read_rows
 
 
 def test_a_job_matches_generate_batch_and_keeps_the_rows(tiny_chat_model_dir, tmp_path):
@@ -167,12 +167,12 @@ def test_the_cli_runs_a_job_and_refuses_actors_without_ray(tiny_chat_model_dir, 
 
 
 def test_the_cli_says_how_to_resume_when_interrupted(tmp_path, monkeypatch, capsys):
-    import cbgen.jobs.job
+    import cbgen.frontends.jobs.job
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cbgen.jobs.job, "run_batch_job", interrupted)
+    monkeypatch.setattr(cbgen.frontends.jobs.job, "run_batch_job", interrupted)
     out = str(tmp_path / "out.jsonl")
     assert main(["batch", "--input", "in.jsonl", "--output", out]) == 130
     assert f"kept in {out}, and the same command resumes" in capsys.readouterr().err
@@ -199,7 +199,7 @@ def test_rows_carry_their_own_output_constraint_over_the_default(tiny_chat_model
 
 
 def test_ray_jobs_say_how_to_install_ray(tiny_chat_model_dir, tmp_path, monkeypatch, capsys):
-    from cbgen.ray import import_ray
+    from cbgen.frontends.jobs.ray import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed
     with pytest.raises(ImportError, match=r"pip install 'cbgen\[ray\]'"):

@@ -19,7 +19,7 @@ from cbgen.bench.report import speculation_line
 from cbgen.bench.systems import run_cbgen
 from cbgen.bench.workloads import build_workload, load_tokenizer, workload_names
 from cbgen.cli import main
-from cbgen.speculative_args import (
+from cbgen.frontends.args.speculative import (
     add_speculative_arguments,
     build_speculative,
     describe,

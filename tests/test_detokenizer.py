@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbgen.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from cbgen.requests.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -22,7 +22,7 @@ TEXTS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from cbgen.models import _bundled_folder
+    from cbgen.models.loader import _bundled_folder
 
     return AutoTokenizer.from_pretrained(_bundled_folder("smollm2"), local_files_only=True)
 

@@ -1,4 +1,4 @@
-"""Draft-model proposers (``cbgen.draft``): a second model, or the target's first layers,
+"""Draft-model proposers (``cbgen.spec.draft``): a second model, or the target's first layers,
 guesses tokens the target verifies. Output is exact whatever the draft says; the draft's
 own cache gives back every block.
 
@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
-from cbgen.draft import DraftModelProposer, decoder_layers, layer_skip_model
+from cbgen.spec.draft import DraftModelProposer, decoder_layers, layer_skip_model
 
 MAX_NEW = 24
 # k always 4, whatever the batch: the most guesses to verify and to reject.

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.embedding_rows import FileRows, file_rows
-from cbgen.prepack import file_backed_ranges, page_out
+from cbgen.executor.cpu.embedding_rows import FileRows, file_rows
+from cbgen.executor.cpu.prepack import file_backed_ranges, page_out
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="file mappings are read from /proc"

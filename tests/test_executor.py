@@ -10,20 +10,20 @@ import torch
 from conftest import make_tiny_model, random_prompts, run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.batch import BatchBuilder
-from cbgen.cache.groups import build_groups
-from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
+from cbgen.cache.groups import LayerSpec, build_groups
+from cbgen.cache.paged_cache import PagedKVCache
 from cbgen.executor import registry
 from cbgen.executor.adapters import FastDecoder, HFModules
 from cbgen.executor.attention import NativeCpuAttention, TorchReferenceAttention
+from cbgen.executor.batch import BatchBuilder
+from cbgen.executor.cpu.kernels import decode_kernel
+from cbgen.executor.cpu.prepack import prepack_supported
 from cbgen.executor.greedy import NativeArgmax, TorchArgmax
 from cbgen.executor.linear import OneDnnBf16Linear, OneDnnFp32Linear, TorchLinear
 from cbgen.executor.metadata import ProbeRecord
 from cbgen.executor.native import NativeKernels, NativeLayerOps
-from cbgen.kernels import decode_kernel
-from cbgen.prepack import prepack_supported
-from cbgen.request import Request
-from cbgen.scheduler_output import ScheduledRequest, SchedulerOutput
+from cbgen.requests.request import Request
+from cbgen.requests.scheduler_output import ScheduledRequest, SchedulerOutput
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16 = torch.float32, torch.bfloat16

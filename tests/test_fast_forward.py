@@ -1,4 +1,4 @@
-"""The decoder fast path (``cbgen.fast_forward``): when it is taken, and that it computes
+"""The decoder fast path (``cbgen.executor.cpu.fast_forward``): when it is taken, and that it computes
 what the model's own forward computes."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from conftest import (
 )
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.fast_forward import DISABLE_ENV
-from cbgen.kernels import decode_kernel
+from cbgen.executor.cpu.fast_forward import DISABLE_ENV
+from cbgen.executor.cpu.kernels import decode_kernel
 
 pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
 

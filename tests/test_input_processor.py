@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cbgen import SamplingParams
-from cbgen.input_processor import InputProcessor, fan_out
+from cbgen.core.input_processor import InputProcessor, fan_out
 
 PROCESSOR = InputProcessor(vocab_size=100, max_model_len=10)
 

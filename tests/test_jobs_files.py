@@ -7,7 +7,7 @@ from conftest import write_jsonl
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cbgen.jobs.files import OutputWriter, read_rows, row_keys
+from cbgen.frontends.jobs.files import OutputWriter, read_rows, row_keys
 
 
 def out_row(key, **extra):

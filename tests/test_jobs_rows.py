@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cbgen.bench.workloads import chat_token_ids, load_tokenizer
-from cbgen.jobs.rows import error_fields, plain, row_request, sampling_defaults
-from cbgen.sampling import SamplingParams
+from cbgen.frontends.jobs.rows import error_fields, plain, row_request, sampling_defaults
+from cbgen.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_plain_turns_numpy_into_python(ints):
 
 
 def test_a_rows_constraint_becomes_its_structured_output(tokenizer):
-    from cbgen.structured import StructuredOutput
+    from cbgen.sampling.structured import StructuredOutput
 
     schema = {"type": "object"}
     request = row_request({"prompt": "x", "json_schema": schema}, DEFAULTS, tokenizer)

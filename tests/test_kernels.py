@@ -16,9 +16,10 @@ import torch
 from conftest import make_tiny_model, random_prompts, reference_greedy
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.attention import GroupTables, _decode_attention
-from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
-from cbgen.kernels import compile_flags, decode_kernel, machine_key
+from cbgen.cache.groups import LayerSpec
+from cbgen.cache.paged_cache import PagedKVCache
+from cbgen.executor.attention_hook import GroupTables, _decode_attention
+from cbgen.executor.cpu.kernels import compile_flags, decode_kernel, machine_key
 
 kernel = decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="native kernel could not be built")
@@ -259,13 +260,13 @@ def test_a_build_lock_left_by_a_killed_build_is_removed():
     import subprocess
     import sys
 
-    from cbgen.models import cache_dir
+    from cbgen.models.loader import cache_dir
 
     if decode_kernel() is None:
         pytest.skip("no native kernels on this machine")
     stale = cache_dir() / "kernels" / machine_key() / "lock"
     stale.write_text("")
-    code = "from cbgen.kernels import _build; _build(); print('loaded')"
+    code = "from cbgen.executor.cpu.kernels import _build; _build(); print('loaded')"
     # The bound only keeps a regression from hanging the suite: a load takes seconds.
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]

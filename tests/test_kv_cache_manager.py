@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from cbgen.cache.allocator import BlockAllocator
 from cbgen.cache.groups import AttentionKind, CacheGroup
 from cbgen.cache.kv_cache_manager import KVCacheManager
-from cbgen.request import Request
-from cbgen.sampling import SamplingParams
+from cbgen.requests.request import Request
+from cbgen.sampling.params import SamplingParams
 
 FULL = CacheGroup(0, AttentionKind.FULL, (0,))
 WINDOW = CacheGroup(1, AttentionKind.SLIDING_WINDOW, (1,), window=5)

@@ -1,4 +1,4 @@
-"""The fused layer ops (``cbgen/kernels/layer_ops.cpp``) against transformers' own formulas."""
+"""The fused layer ops (``cbgen/executor/cpu/kernels/layer_ops.cpp``) against transformers' own formulas."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from cbgen.kernels import decode_kernel
+from cbgen.executor.cpu.kernels import decode_kernel
 
 kernels = decode_kernel()
 pytestmark = pytest.mark.skipif(kernels is None, reason="native kernels could not be built")
@@ -63,7 +63,8 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
 
 
 def test_rope_qkv_stores_keys_and_values_where_the_cache_write_would():
-    from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
+    from cbgen.cache.groups import LayerSpec
+    from cbgen.cache.paged_cache import PagedKVCache
 
     torch.manual_seed(1)
     tokens, heads, kv_heads, dim = 5, 4, 2, 8
@@ -125,7 +126,8 @@ def test_add_rms_norm_bfloat16_delta_and_output(weight_dtype):
 def test_rope_qkv_bfloat16(qkv_dtype, cache_dtype):
     """Rotation in float32, rounded once: queries come back in the cache's dtype and the
     cache holds the rotated keys and the values, each within one bfloat16 rounding."""
-    from cbgen.cache.paged_cache import LayerSpec, PagedKVCache
+    from cbgen.cache.groups import LayerSpec
+    from cbgen.cache.paged_cache import PagedKVCache
 
     torch.manual_seed(2)
     tokens, heads, kv_heads, dim = 7, 4, 2, 16

@@ -43,7 +43,7 @@ def model_folder() -> Path:
         cbgen.load_model("smollm2")  # converts the bundled model once
     except FileNotFoundError as exc:
         pytest.skip(f"the bundled smollm2 model is not installed: {exc}")
-    return cbgen.models.cache_dir() / "smollm2"
+    return cbgen.models.loader.cache_dir() / "smollm2"
 
 
 def evaluate(model: str, model_args: dict, **kwargs):

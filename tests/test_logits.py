@@ -12,8 +12,13 @@ from transformers.generation.logits_process import MinPLogitsWarper
 
 import cbgen
 from cbgen import EngineConfig, SamplingParams
-from cbgen.logits import LogitsRows, PresenceFrequencyPenalty, apply_processors, default_processors
-from cbgen.sampler import Sampler
+from cbgen.sampling.logits import (
+    LogitsRows,
+    PresenceFrequencyPenalty,
+    apply_processors,
+    default_processors,
+)
+from cbgen.sampling.sampler import Sampler
 
 
 def _generate(model, prompt, gc):

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbgen.logits import LogitsRows, apply_processors, default_processors
-from cbgen.sampling import SamplingParams
+from cbgen.sampling.logits import LogitsRows, apply_processors, default_processors
+from cbgen.sampling.params import SamplingParams
 
 VOCAB = 12
 EOS = 0

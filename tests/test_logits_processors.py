@@ -11,7 +11,7 @@ from transformers import LogitsProcessorList
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.request import FinishReason
+from cbgen.requests.request import FinishReason
 
 CONFIG = EngineConfig(block_size=4, num_blocks=256, max_batch_tokens=32)
 

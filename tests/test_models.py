@@ -35,7 +35,7 @@ def test_conversions_of_an_older_format_are_redone(monkeypatch, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from cbgen import models
+    from cbgen.models import loader as models
 
     folder = tmp_path / "smollm2"
     folder.mkdir()

@@ -12,7 +12,7 @@ import pytest
 from conftest import hold_engine, random_prompts, reference_greedy
 
 from cbgen import EngineConfig, SamplingParams
-from cbgen.online import Engine, EngineClosedError, EngineOverloadedError
+from cbgen.frontends.online import Engine, EngineClosedError, EngineOverloadedError
 
 NUM_BLOCKS = 96
 

@@ -1,12 +1,12 @@
-"""A request's text on the online loop (``cbgen.online.text``): detokenized deltas cut at
+"""A request's text on the online loop (``cbgen.frontends.online.text``): detokenized deltas cut at
 the first stop string, on the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from cbgen.detokenizer import make_decoder
-from cbgen.online.text import TextProcessor, stop_matcher
+from cbgen.frontends.online.text import TextProcessor, stop_matcher
+from cbgen.requests.detokenizer import make_decoder
 
 TEXT = "The quick brown fox jumps over the lazy dog. Größe, naïve café 🙂 done."
 
@@ -15,7 +15,7 @@ TEXT = "The quick brown fox jumps over the lazy dog. Größe, naïve café 🙂 
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from cbgen.models import _bundled_folder
+    from cbgen.models.loader import _bundled_folder
 
     return AutoTokenizer.from_pretrained(_bundled_folder("smollm2"), local_files_only=True)
 
@@ -102,7 +102,7 @@ def test_include_stop_keeps_the_stop_string_once(tokenizer, ids):
 
 
 def test_special_tokens_per_request(tokenizer):
-    from cbgen.online.text import Decoders, TextOptions
+    from cbgen.frontends.online.text import Decoders, TextOptions
 
     decoders = Decoders(tokenizer)
     eos = tokenizer.eos_token_id

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from cbgen.openmp import _pause_function, release_thread_team
+from cbgen.executor.cpu.openmp import _pause_function, release_thread_team
 
 
 def _thread_ids() -> set[str]:

@@ -4,9 +4,9 @@ its samples are known (the two halves the synchronous loop runs back to back).""
 from __future__ import annotations
 
 from cbgen import SamplingParams
-from cbgen.output import PLACEHOLDER_TOKEN, OutputProcessor
-from cbgen.request import FinishReason, Request, RequestStatus
-from cbgen.scheduler_output import ScheduledRequest, SchedulerOutput
+from cbgen.core.output_processor import PLACEHOLDER_TOKEN, OutputProcessor
+from cbgen.requests.request import FinishReason, Request, RequestStatus
+from cbgen.requests.scheduler_output import ScheduledRequest, SchedulerOutput
 
 EOS = 2
 

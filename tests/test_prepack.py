@@ -13,7 +13,7 @@ from torch import nn
 
 import cbgen
 from cbgen import EngineConfig, SamplingParams
-from cbgen.prepack import (
+from cbgen.executor.cpu.prepack import (
     DISABLE_ENV,
     NO_FUSE_ENV,
     PackedLinears,
@@ -22,7 +22,7 @@ from cbgen.prepack import (
     prepack_enabled_by_default,
     prepack_supported,
 )
-from cbgen.runner import ModelRunner
+from cbgen.executor.runner import Executor
 
 pytestmark = pytest.mark.skipif(not prepack_supported(), reason="torch built without oneDNN")
 
@@ -167,7 +167,7 @@ def test_runner_applies_and_restores(prepack, monkeypatch):
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     model = make_tiny_model("llama")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    runner = ModelRunner(model, prepack_linear=prepack)
+    runner = Executor(model, use_native_kernels=False, prepack_linear=prepack)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert runner.prepacked_linears == (0 if prepack is False else linears)
     assert len(_overridden(model)) == runner.prepacked_linears

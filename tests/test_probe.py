@@ -10,7 +10,7 @@ from conftest import make_tiny_model, random_prompts, reference_greedy
 import cbgen
 from cbgen import EngineConfig, SamplingParams
 from cbgen.cache.groups import AttentionKind, build_groups
-from cbgen.runner import ModelRunner
+from cbgen.executor.runner import Executor
 
 SMALL = dict(vocab_size=256, max_position_embeddings=512, initializer_range=0.2)
 LLAMA_LIKE = dict(**SMALL, hidden_size=64, intermediate_size=128, num_attention_heads=4)
@@ -71,7 +71,7 @@ def _model(source) -> torch.nn.Module:
 @pytest.mark.parametrize(("name", "source", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_probe_reads_the_kv_layout_of_every_layer(name, source, expected):
     model = _model(source)
-    runner = ModelRunner(model)
+    runner = Executor(model, use_native_kernels=False)
     try:
         got = [
             (s.num_kv_heads, s.key_dim, s.value_dim, s.sliding_window) for s in runner.probe.layers
@@ -86,7 +86,7 @@ def test_probe_reads_the_kv_layout_of_every_layer(name, source, expected):
 
 def test_probe_sees_the_dtype_it_runs_in():
     model = make_tiny_model("qwen3").to(torch.bfloat16)
-    runner = ModelRunner(model)
+    runner = Executor(model, use_native_kernels=False)
     try:
         assert {s.dtype for s in runner.probe.layers} == {torch.bfloat16}
     finally:
@@ -94,7 +94,7 @@ def test_probe_sees_the_dtype_it_runs_in():
 
 
 def test_groups_follow_the_probed_kinds():
-    layers = ModelRunner(make_tiny_model("gemma3")).probe.layers
+    layers = Executor(make_tiny_model("gemma3"), use_native_kernels=False).probe.layers
     groups = build_groups(layers)
     # One full layer and three windowed ones: groups of min(1, 3) = 1 layer, full first.
     assert [(g.kind, g.window, g.layers) for g in groups] == [
@@ -118,8 +118,7 @@ def test_probed_layouts_generate_exactly(source):
 def test_tensor_layout_shares_tensors_across_groups_only():
     import torch
 
-    from cbgen.cache.groups import AttentionKind, CacheGroup, tensor_layout
-    from cbgen.cache.paged_cache import LayerSpec
+    from cbgen.cache.groups import AttentionKind, CacheGroup, LayerSpec, tensor_layout
 
     full = LayerSpec(2, 16, 16, torch.float32)
     window = LayerSpec(2, 16, 16, torch.float32, sliding_window=8)

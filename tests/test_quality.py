@@ -1,4 +1,4 @@
-"""``cbgen.quality``: perplexity through the engine equals the model's own, and each precision
+"""``cbgen.bench.quality``: perplexity through the engine equals the model's own, and each precision
 mode of the bundled model stays within its stated distance of float32."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from conftest import make_tiny_model, random_prompts
 
 import cbgen
 from cbgen import EngineConfig
-from cbgen.quality import greedy_agreement, greedy_outputs, perplexity
+from cbgen.bench.quality import greedy_agreement, greedy_outputs, perplexity
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

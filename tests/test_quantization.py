@@ -1,4 +1,4 @@
-"""Weight-only int8 and 4-bit linear maps (``cbgen.quantization``): the codes against the
+"""Weight-only int8 and 4-bit linear maps (``cbgen.executor.cpu.quantization``): the codes against the
 weights they stand for, the kernels against a float32 reference on random shapes, and
 quantized models through the engine's paths."""
 
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from cbgen import EngineConfig, SamplingParams, generate_batch
-from cbgen.kernels import decode_kernel
-from cbgen.prepack import PackedLinears
-from cbgen.quantization import (
+from cbgen.executor.cpu.kernels import decode_kernel
+from cbgen.executor.cpu.prepack import PackedLinears
+from cbgen.executor.cpu.quantization import (
     QuantizedLinear,
     dequantize,
     quantize_int4,
@@ -200,8 +200,8 @@ def test_quantized_model_through_the_online_engine_and_the_server(mode):
     uvicorn = pytest.importorskip("uvicorn")
     from test_server import smollm2_tokenizer, tiny_model, uvicorn_in_thread
 
-    from cbgen.online import Engine
-    from cbgen.server import create_app
+    from cbgen.frontends.online import Engine
+    from cbgen.frontends.server import create_app
 
     tokenizer = smollm2_tokenizer()
     model = tiny_model(tokenizer).to(torch.bfloat16)

@@ -19,9 +19,9 @@ ray = pytest.importorskip("ray")
 
 from conftest import expected_token_ids, job_rows, write_jsonl  # noqa: E402
 
-from cbgen.jobs import run_batch_job  # noqa: E402
-from cbgen.jobs.files import read_rows  # noqa: E402
-from cbgen.ray import Generator  # noqa: E402
+from cbgen.frontends.jobs import run_batch_job  # noqa: E402
+from cbgen.frontends.jobs.files import read_rows  # noqa: E402
+from cbgen.frontends.jobs.ray import Generator  # noqa: E402
 
 ROWS = 1000
 MAX_NEW_TOKENS = 4

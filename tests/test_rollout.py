@@ -1,4 +1,4 @@
-"""``cbgen.rollout``: groups of samples with the logprob of every sampled token, the
+"""``cbgen.rl.rollout``: groups of samples with the logprob of every sampled token, the
 same a training forward computes; and the GRPO example learns its toy task."""
 
 from __future__ import annotations

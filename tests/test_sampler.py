@@ -7,7 +7,7 @@ from conftest import random_prompts
 
 import cbgen
 from cbgen import EngineConfig, SamplingParams
-from cbgen.sampler import Sampler
+from cbgen.sampling.sampler import Sampler
 
 
 def _draw(params: SamplingParams, logits: torch.Tensor, rows: int, seed: int = 0) -> torch.Tensor:

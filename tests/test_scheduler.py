@@ -16,10 +16,8 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from cbgen.cache.allocator import BlockAllocator
-from cbgen.output import OutputProcessor
-from cbgen.request import FinishReason, Request, RequestStatus
-from cbgen.sampling import SamplingParams
-from cbgen.scheduler import (
+from cbgen.core.output_processor import OutputProcessor
+from cbgen.core.scheduler import (
     FifoScheduler,
     PrefillFirstScheduler,
     ScheduledRequest,
@@ -27,6 +25,8 @@ from cbgen.scheduler import (
     SchedulerOutput,
     make_scheduler,
 )
+from cbgen.requests.request import FinishReason, Request, RequestStatus
+from cbgen.sampling.params import SamplingParams
 
 
 class FakeModel:

@@ -27,8 +27,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 import cbgen  # noqa: E402
-from cbgen.online import Engine  # noqa: E402
-from cbgen.server import create_app  # noqa: E402
+from cbgen.frontends.online import Engine  # noqa: E402
+from cbgen.frontends.server import create_app  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny-smollm2"
@@ -40,7 +40,7 @@ CONTEXT = 512
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    folder = cbgen.models.cache_dir() / "smollm2"
+    folder = cbgen.models.loader.cache_dir() / "smollm2"
     if not (folder / "tokenizer.json").exists():
         try:
             cbgen.load_model("smollm2")  # converts the bundled model once
@@ -649,7 +649,7 @@ def test_load_script_small():
 @contextlib.contextmanager
 def own_server(engine, tokenizer, **options):
     """A key-less server of its own through ``make_server`` (drain, header timeout)."""
-    from cbgen.server.lifecycle import make_server
+    from cbgen.frontends.server.lifecycle import make_server
 
     app_options = {k: options.pop(k) for k in ("allowed_origins",) if k in options}
     app = create_app(engine, tokenizer, MODEL, **app_options)

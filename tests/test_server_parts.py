@@ -14,19 +14,19 @@ pytest.importorskip("fastapi")
 from starlette.requests import Request  # noqa: E402
 
 from cbgen.bench.workloads import load_tokenizer  # noqa: E402
-from cbgen.input_processor import strip_request_prefix  # noqa: E402
-from cbgen.online import OnlineRequestOutput  # noqa: E402
-from cbgen.request import FinishReason  # noqa: E402
-from cbgen.server import app as server_app  # noqa: E402
-from cbgen.server.intake import check_api_key, read_json  # noqa: E402
-from cbgen.server.protocol import APIError  # noqa: E402
-from cbgen.server.responses import ResponseShape  # noqa: E402
-from cbgen.server.translate import (  # noqa: E402
+from cbgen.core.input_processor import strip_request_prefix  # noqa: E402
+from cbgen.frontends.online import OnlineRequestOutput  # noqa: E402
+from cbgen.frontends.server import app as server_app  # noqa: E402
+from cbgen.frontends.server.intake import check_api_key, read_json  # noqa: E402
+from cbgen.frontends.server.protocol import APIError  # noqa: E402
+from cbgen.frontends.server.responses import ResponseShape  # noqa: E402
+from cbgen.frontends.server.translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     Translator,
     max_token_chars,
     prompt_list,
 )
+from cbgen.requests.request import FinishReason  # noqa: E402
 
 MODEL = "m"
 CONTEXT = 64

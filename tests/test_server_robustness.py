@@ -35,8 +35,8 @@ from test_server import (  # noqa: E402
 )
 
 import cbgen  # noqa: E402
-from cbgen.online import Engine  # noqa: E402
-from cbgen.server import create_app  # noqa: E402
+from cbgen.frontends.online import Engine  # noqa: E402
+from cbgen.frontends.server import create_app  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GUARD_S = 120.0  # failure guards only: nothing here waits for a deadline to pass

@@ -15,14 +15,14 @@ from cbgen.cache.allocator import BlockAllocator
 from cbgen.cache.groups import (
     AttentionKind,
     CacheGroup,
+    LayerSpec,
     build_groups,
     max_request_tokens,
     tensor_layout,
 )
-from cbgen.cache.paged_cache import LayerSpec
-from cbgen.request import FinishReason, Request
-from cbgen.sampling import SamplingParams as Params
-from cbgen.scheduler import make_scheduler
+from cbgen.core.scheduler import make_scheduler
+from cbgen.requests.request import FinishReason, Request
+from cbgen.sampling.params import SamplingParams as Params
 
 WINDOW = 16
 # Every layer windowed (Mistral), alternate layers (Gemma 2), three of four (Gemma 3).

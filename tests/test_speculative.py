@@ -1,4 +1,4 @@
-"""Speculative decoding with prompt lookup (``cbgen.speculative``): exact whatever is
+"""Speculative decoding with prompt lookup (``cbgen.spec.speculative``): exact whatever is
 proposed, and rejections leave no trace in the cache.
 
 Prompts repeat themselves (a text, the model's own continuation of it, the text again),
@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
 from cbgen.bench.workloads import chat_token_ids
-from cbgen.request import Request
-from cbgen.speculative import DraftAcceptance, NgramProposer, guess_cost
+from cbgen.requests.acceptance import DraftAcceptance
+from cbgen.requests.request import Request
+from cbgen.spec.speculative import NgramProposer, guess_cost
 
 MAX_NEW = 24
 

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import torch
 
-from cbgen.structured import (
+from cbgen.sampling.structured import (
     GrammarCompiler,
     GrammarMatcher,
     StructuredOutput,

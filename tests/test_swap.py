@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.request import RequestStatus
+from cbgen.requests.request import RequestStatus
 
 # 10 requests of up to ~70 tokens in a cache of 96 tokens: they cannot all fit.
 PROMPTS = random_prompts(10, 10, 40, seed=4)

@@ -15,9 +15,9 @@ from conftest import make_tiny_model, random_prompts, reference_greedy
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.cache.allocator import BlockAllocator
-from cbgen.output import OutputProcessor
-from cbgen.request import Request
-from cbgen.scheduler import Scheduler
+from cbgen.core.output_processor import OutputProcessor
+from cbgen.core.scheduler import Scheduler
+from cbgen.requests.request import Request
 
 
 def test_a_request_given_1_plus_k_tokens_rolls_back_the_rejected_ones_exactly():

@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` with cbgen generating its groups (``cbgen.trl_rollout``)."""
+"""TRL's ``GRPOTrainer`` with cbgen generating its groups (``cbgen.rl.trl``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ datasets = pytest.importorskip("datasets")
 
 from test_server import smollm2_tokenizer, tiny_model  # noqa: E402
 
-from cbgen.trl_rollout import grpo_rollout_func  # noqa: E402
+from cbgen.rl.trl import grpo_rollout_func  # noqa: E402
 
 
 def test_grpo_trainer_trains_on_cbgen_rollouts(tmp_path, monkeypatch):

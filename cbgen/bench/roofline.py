@@ -4,7 +4,7 @@ Decoding one token costs about ``2 x (weights of every linear map, LM head inclu
 FLOPs (attention over the cache and the element-wise work are left out, which flatters
 nobody). ``measure`` times ``F.linear`` on ``[m, in] x [out, in]^T`` for each distinct
 weight shape, in the run's dtype and thread count, and also oneDNN's prepacked linear
-where it exists (float32 on CPU: what cbgen itself runs, ``cbgen.prepack``), keeping
+where it exists (float32 on CPU: what cbgen itself runs, ``cbgen.executor.cpu.prepack``), keeping
 the faster of the two per shape, so the roofline is the best matmul this machine offers
 rather than the one cbgen happens to use. It reports:
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..prepack import pack_weight, packed_linear, prepack_supported
+from ..executor.cpu.prepack import pack_weight, packed_linear, prepack_supported
 
 
 def linear_shapes(model: torch.nn.Module) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig
+from ..core.config import EngineConfig
 
 SYSTEMS = ("cbgen", "generate", "generate_batch", "generate_batch_tuned")
 SPEC_COUNTS = ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications")
@@ -107,7 +107,7 @@ def run_cbgen(
 ) -> Run:
     """Run ``prompts`` on ``engine`` (its prefix cache reset first), or on an engine built
     for this run inside its clock."""
-    from ..engine import EngineCore
+    from ..core.engine_core import EngineCore
 
     started = time.perf_counter()
     if engine is not None:
@@ -135,7 +135,7 @@ def run_cbgen(
 def _drive(
     engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, started: float
 ) -> Run:
-    from ..sampling import SamplingParams
+    from ..sampling.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     before = {k: v for k, v in engine.stats.items() if k in SPEC_COUNTS}

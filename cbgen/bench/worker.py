@@ -41,9 +41,9 @@ def _quiet_transformers() -> None:
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from ..config import EngineConfig
-    from ..models import load_model
-    from ..speculative_args import build_speculative
+    from ..core.config import EngineConfig
+    from ..frontends.args.speculative import build_speculative
+    from ..models.loader import load_model
     from .systems import SystemOptions
 
     _quiet_transformers()
@@ -93,7 +93,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         tuned_attn=raw_options.get("tuned_attn"),
     )
     if system == "cbgen":  # one engine for every run, as the vLLM peer keeps one LLM
-        from ..engine import EngineCore
+        from ..core.engine_core import EngineCore
 
         try:
             options.engine = EngineCore(model, options.engine_config)

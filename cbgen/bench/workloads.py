@@ -280,7 +280,7 @@ def long_messages(
 def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
     """``(folder, gguf_file)`` of a model as ``cbgen.load_model`` finds it (converting the
     bundled model once if needed)."""
-    from ..models import BUNDLED_MODELS, _bundled_folder
+    from ..models.loader import BUNDLED_MODELS, _bundled_folder
 
     key = name_or_path.lower()
     if key in BUNDLED_MODELS:

@@ -32,10 +32,28 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .paged_cache import LayerSpec
+import torch
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one attention layer stores per token, as observed by running the model.
+
+    ``sliding_window`` is the window the layer's module passed to the attention
+    function (None: full attention); it decides the layer's cache group.
+    """
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    sliding_window: int | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_kv_heads * (self.key_dim + self.value_dim) * itemsize
 
 
 class AttentionKind(str, enum.Enum):

@@ -19,20 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..request import Request
+from ..requests.request import Request
+from ..requests.scheduler_output import BlockMove
 from .allocator import BlockAllocator
 from .groups import FULL_GROUP, CacheGroup
 from .prefix_cache import BlockHash, extend_block_hashes
 from .state import StateCheckpoints, StateSlotPool
-
-
-@dataclass
-class BlockMove:
-    """A swap copy of request ``request_id``: ``device_blocks[i]`` <-> ``host_blocks[i]``."""
-
-    request_id: str
-    device_blocks: list[int]
-    host_blocks: list[int]
 
 
 @dataclass

@@ -5,35 +5,11 @@ from __future__ import annotations
 import mmap
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..sysmem import meminfo_kib
-
-if TYPE_CHECKING:
-    from .groups import CacheGroup
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """What one attention layer stores per token, as observed by running the model.
-
-    ``sliding_window`` is the window the layer's module passed to the attention
-    function (None: full attention); it decides the layer's cache group.
-    """
-
-    num_kv_heads: int
-    key_dim: int
-    value_dim: int
-    dtype: torch.dtype
-    sliding_window: int | None = None
-
-    @property
-    def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_kv_heads * (self.key_dim + self.value_dim) * itemsize
+from .groups import CacheGroup, LayerSpec, tensor_layout
 
 
 def bytes_per_token(layers: Sequence[LayerSpec]) -> int:
@@ -102,8 +78,6 @@ class PagedKVCache:
         device: torch.device,
         groups: Sequence[CacheGroup] | None = None,
     ) -> None:
-        from .groups import tensor_layout
-
         self.layers = list(layers)
         self.num_blocks = num_blocks
         self.block_size = block_size

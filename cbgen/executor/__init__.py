@@ -9,5 +9,5 @@ the test oracle, serving CUDA today), ``linear`` (oneDNN float32 prepacked;
 ``F.linear``), ``native`` (the kernel module; fused layer ops), ``greedy``
 (argmax), ``adapters`` (the Llama-family fast decoder; transformers' modules).
 Import the submodules themselves: this package imports nothing, so that
-``cbgen.attention`` can use ``metadata`` without a cycle.
+``cbgen.executor.attention_hook`` can use ``metadata`` without a cycle.
 """

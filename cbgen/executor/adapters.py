@@ -1,11 +1,11 @@
 """Model adapters: what runs a step's forward pass.
 
 * ``FastDecoder``: the Llama-family decoder run without transformers' module code
-  (``cbgen.fast_forward``), from the chosen linear, layer-ops and attention
+  (``cbgen.executor.cpu.fast_forward``), from the chosen linear, layer-ops and attention
   backends. Float32 or bfloat16 on CPU, prepacked linear maps, native layer ops, no hooks, and
   every layer of the expected shape.
 * ``HFModules``: the model's own ``forward``; attention reaches the chosen backend
-  through transformers' attention interface (``cbgen.attention``). Serves any model.
+  through transformers' attention interface (``cbgen.executor.attention_hook``). Serves any model.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..attention import attention_context
-from ..fast_forward import DISABLE_ENV, FastForward, Unsupported, plan_fast_forward
+from .attention_hook import attention_context
 from .base import LayerOps, LinearBackend, ModelAdapter
+from .cpu.fast_forward import DISABLE_ENV, FastForward, Unsupported, plan_fast_forward
 from .linear import OneDnnPackedLinear
 from .metadata import ProbeRecord
 
 if TYPE_CHECKING:
-    from ..batch import StepBatch
+    from .batch import StepBatch
 
 
 class FastDecoder(ModelAdapter):

@@ -9,7 +9,7 @@ windowed layers only ever read the window.
 
 * ``NativeCpuAttention``: every row of the step, decode or prefill, is a query over
   its own request's blocks up to its own position, and one kernel call per layer
-  attends them all (``cbgen/kernels/paged_decode.cpp``), for every cache group.
+  attends them all (``cbgen/executor/cpu/kernels/paged_decode.cpp``), for every cache group.
 * ``TorchReferenceAttention``: decode rows (one new token per request) go through
   one batched grouped matmul over K/V gathered from the block tables, masked past
   each context; prefill chunks through torch SDPA one request at a time, causal

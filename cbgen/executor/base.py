@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..batch import StepBatch
+    from .batch import StepBatch
     from .metadata import AttentionMetadata, GroupTables
 
 
@@ -44,7 +44,7 @@ class Backend(ABC):
 class AttentionBackend(Backend):
     """Stores a layer's new K/V in the paged cache and attends over each request's cache.
 
-    The metadata it reads is built by ``cbgen.batch.BatchBuilder`` in one shape for
+    The metadata it reads is built by ``cbgen.executor.batch.BatchBuilder`` in one shape for
     one or many cache groups; ``row_tables`` and ``padding_mask`` tell the builder
     which optional tables this backend reads.
     """

@@ -5,16 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..sampling.sampler import torch_argmax
 from .base import GreedyBackend
 from .native import NativeKernels
 
 
-def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.argmax(logits, dim=-1)
-
-
 class NativeArgmax(GreedyBackend):
-    """``argmax_rows`` (``cbgen/kernels/argmax.cpp``): 0.2 against 2.7 ms for 64 rows of
+    """``argmax_rows`` (``cbgen/executor/cpu/kernels/argmax.cpp``): 0.2 against 2.7 ms for 64 rows of
     49k float32 logits on 2 cores. The executor's logits are float32 whatever the model's
     dtype, so only the device and the kernels decide."""
 

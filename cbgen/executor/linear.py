@@ -1,5 +1,5 @@
-"""Linear backends: oneDNN prepacked float32 or bfloat16 on CPU (``cbgen.prepack``), with the
-int8 and 4-bit maps of a quantized model (``cbgen.quantization``) fused alongside; or the
+"""Linear backends: oneDNN prepacked float32 or bfloat16 on CPU (``cbgen.executor.cpu.prepack``), with the
+int8 and 4-bit maps of a quantized model (``cbgen.executor.cpu.quantization``) fused alongside; or the
 model's own ``nn.Linear`` (``F.linear``) everywhere else."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import os
 import torch
 from torch import nn
 
-from ..prepack import DISABLE_ENV, PackedLinears, prepack_supported
 from .base import LinearBackend
+from .cpu.prepack import DISABLE_ENV, PackedLinears, prepack_supported
 
 
 class OneDnnPackedLinear(LinearBackend):
     """Every CPU ``nn.Linear`` of the model's dtype switched to a oneDNN prepacked weight,
     q/k/v and gate/up fused into one GEMM each (``PackedLinears``), for the executor's
-    lifetime. Quantized modules (``cbgen.quantization``) get their own kernels, fused the
+    lifetime. Quantized modules (``cbgen.executor.cpu.quantization``) get their own kernels, fused the
     same way. Subclasses name the dtype they pack.
 
     ``enabled``: ``EngineConfig.prepack_linear``; ``None`` means on unless

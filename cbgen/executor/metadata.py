@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache.paged_cache import LayerSpec, PagedKVCache
+from ..cache.groups import LayerSpec
+from ..cache.paged_cache import PagedKVCache
 from ..cache.state import StateCache, StateSpec
 
 if TYPE_CHECKING:

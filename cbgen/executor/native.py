@@ -1,4 +1,4 @@
-"""The native CPU kernels (``cbgen.kernels``) as one lazily loaded dependency of the
+"""The native CPU kernels (``cbgen.executor.cpu.kernels``) as one lazily loaded dependency of the
 backends that use them, and the fused layer ops backend.
 
 Loading compiles the kernels on first use; it happens only once a backend has
@@ -15,9 +15,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ..kernels import DISABLE_ENV as KERNELS_DISABLE_ENV
-from ..kernels import decode_kernel
 from .base import LayerOps
+from .cpu.kernels import DISABLE_ENV as KERNELS_DISABLE_ENV
+from .cpu.kernels import decode_kernel
 
 _UNLOADED = object()
 
@@ -60,7 +60,7 @@ class NativeKernels:
 
 
 class NativeLayerOps(LayerOps):
-    """``add_rms_norm`` and ``rope_qkv`` from ``cbgen/kernels/layer_ops.cpp``: float32 on
+    """``add_rms_norm`` and ``rope_qkv`` from ``cbgen/executor/cpu/kernels/layer_ops.cpp``: float32 on
     CPU, following transformers' Llama formulas operation by operation (bfloat16 GEMM
     inputs and outputs and caches, with float32 arithmetic)."""
 

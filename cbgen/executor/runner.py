@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .. import attention
-from ..attention import ProbeRecord, attention_context
-from ..kernels import decode_kernel
+from . import attention_hook as attention
 from .adapters import HFModules
+from .attention_hook import ProbeRecord, attention_context
 from .base import AttentionBackend, GreedyBackend, LinearBackend, ModelAdapter, model_device
 from .base import model_dtype as _model_dtype
+from .cpu.kernels import decode_kernel
 from .native import NativeKernels
 from .registry import ROLES, BuildContext, Selection, select
 from .state_mixers import StateMixers, UnsupportedStateLayer, declared_state_layers
 
 if TYPE_CHECKING:
-    from ..batch import StepBatch
+    from .batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Executor:
     the others refused; it is logged at INFO. ``close()`` undoes what the
     backends did and restores the model's own attention implementation.
 
-    ``use_native_kernels`` allows the native CPU kernels (``cbgen.kernels``, loaded
+    ``use_native_kernels`` allows the native CPU kernels (``cbgen.executor.cpu.kernels``, loaded
     through ``kernels``); ``prepack_linear`` is ``EngineConfig.prepack_linear``.
     """
 

@@ -192,7 +192,7 @@ class StateMixers:
         return forward
 
     def _forward(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from ..attention import current_metadata
+        from .attention_hook import current_metadata
 
         if args:
             hidden, rest = args[0], args[1:]

@@ -1,0 +1,1 @@
+"""The engine core: the step loop, its scheduler, input and output processing, weights and memory lifecycle."""

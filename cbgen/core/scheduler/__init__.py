@@ -1,0 +1,21 @@
+"""Decide, each step, which requests run and how many tokens each gets (``base``), in the
+order a policy gives (``policies``). Blocks are the ``KVCacheManager``'s."""
+
+from ...cache.kv_cache_manager import BlockMove
+from ...requests.scheduler_output import ScheduledRequest, SchedulerOutput
+from .base import ADMIT, DECODE, PREFILL, Scheduler
+from .policies import POLICIES, FifoScheduler, PrefillFirstScheduler, make_scheduler
+
+__all__ = [
+    "ADMIT",
+    "DECODE",
+    "POLICIES",
+    "PREFILL",
+    "BlockMove",
+    "FifoScheduler",
+    "PrefillFirstScheduler",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "make_scheduler",
+]

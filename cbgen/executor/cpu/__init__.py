@@ -1,0 +1,1 @@
+"""CPU execution: prepacked oneDNN linears, quantized maps, the fast decoder, native kernels, OpenMP."""

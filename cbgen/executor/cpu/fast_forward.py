@@ -1,0 +1,341 @@
+"""The decoder forward of Llama-family models, run without transformers' module code.
+
+A 64-row decode step of SmolLM2 on 2 CPU cores spent about 50 of its ~185 ms
+outside the matrix multiplies: each of the 30 layers made some 30 torch calls
+for RMSNorm, the rotary embedding, views and residual adds on 64 x 576 tensors,
+through a few hundred Python frames of module code. For the architectures
+whose layers are exactly "RMSNorm, q/k/v with rotary embedding, attention, o,
+residual, RMSNorm, SiLU-gated MLP, residual" (``SUPPORTED_MODEL_TYPES``), this
+module runs the same arithmetic as ten calls a layer: the prepacked GEMMs
+(fused q/k/v and gate/up), the paged attention, and two fused C++ ops
+(``add_rms_norm``; ``rope_qkv``, which also stores the new K/V in the paged
+cache; both in ``cbgen/executor/cpu/kernels/layer_ops.cpp``). That took the 64-row decode step
+from 165 to 145 ms (``bench/micro_step.py --compare prepack,fast --threads 2``).
+
+Everything else stays transformers': the embedding and the rotary module
+(``rotary_emb``, whatever its scaling type) are called as the model calls them,
+and the weights are the model's own. Results follow the module path's formulas
+operation by operation; only the RMSNorm's sum of squares is added in another
+order (see ``layer_ops.cpp``).
+
+The fast path is taken only when nothing could observe the difference: float32
+or bfloat16 on CPU with prepacked (or quantized) linear maps and the native layer
+ops, no hooks on any module, and every layer of the expected shape. In bfloat16
+the residual stream, norms, rotary embedding and logits stay float32 and only
+the GEMMs' inputs and outputs (and the K/V cache) are bfloat16: closer to the
+float32 model than transformers' own bfloat16 modules, which round the residual
+after every add. The executor's model adapter
+registry decides that once (``cbgen.executor.adapters.FastDecoder``); otherwise
+(and with ``CBGEN_NO_FAST_FORWARD=1``) the model's own ``forward`` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..metadata import ProbeRecord
+from .embedding_rows import file_rows
+from .prepack import LinearMap, PackedLinears
+
+if TYPE_CHECKING:
+    from ..batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "CBGEN_NO_FAST_FORWARD"
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int  # the cache layer
+    input_norm: torch.Tensor
+    input_eps: float
+    qkv: LinearMap
+    o: LinearMap
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: LinearMap
+    down: LinearMap
+    intermediate: int
+    scale: float
+    sliding_window: int | None
+    # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding.
+    qk_norms: tuple[torch.Tensor, float, torch.Tensor, float] | None = None
+
+
+class FastForward:
+    """Callable on a ``StepBatch``; returns the sampled rows' logits ``[samples, vocab]``.
+
+    Build it with ``build_fast_forward``, which decides whether the model qualifies.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[_Layer],
+        lm_head: LinearMap,
+        layer_ops: Any,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        base = model.model  # type: ignore[union-attr]
+        weight = base.embed_tokens.weight
+        self._embed = file_rows(weight) or functools.partial(F.embedding, weight=weight)
+        self._rotary = base.rotary_emb
+        # The dtype of the GEMMs' inputs and outputs; the residual stream stays float32.
+        self._dtype = weight.dtype
+        self._norm = base.norm.weight.detach()
+        self._norm_eps = float(base.norm.variance_epsilon)
+        self._layers = layers
+        self._lm_head = lm_head
+        self._ops = layer_ops
+        self._heads, self._kv_heads, self._head_dim = heads, kv_heads, head_dim
+        self.vocab_size = int(model.lm_head.out_features)  # type: ignore[union-attr]
+
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        ops, metadata = self._ops, batch.attention
+        cache, attend = metadata.cache, metadata.backend.attend
+        ids = batch.input_ids[0]
+        tokens = ids.shape[0]
+        hidden = self._embed(ids).float()
+        cos, sin = self._rotary(hidden.unsqueeze(0), batch.position_ids)
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        q_width = self._heads * self._head_dim
+        kv_width = self._kv_heads * self._head_dim
+        kv_shape = (tokens, self._kv_heads, self._head_dim)
+        dtype = self._dtype
+        delta: torch.Tensor | None = None
+        for layer in self._layers:
+            x = ops.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps, dtype)
+            qkv = layer.qkv(x)
+            if layer.qk_norms is not None:
+                q_weight, q_eps, k_weight, k_eps = layer.qk_norms
+                _norm_heads(qkv[:, :q_width].view(tokens, self._heads, -1), q_weight, q_eps)
+                _norm_heads(qkv[:, q_width : q_width + kv_width].view(kv_shape), k_weight, k_eps)
+            q = ops.rope_qkv(
+                qkv,
+                cos,
+                sin,
+                self._heads,
+                self._kv_heads,
+                cache.keys[layer.index],
+                cache.values[layer.index],
+                metadata.tables(layer.index).slot_mapping,
+            )
+            k = qkv[:, q_width : q_width + kv_width].view(kv_shape)
+            v = qkv[:, q_width + kv_width :].view(kv_shape)
+            out = attend(
+                metadata,
+                layer.index,
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                layer.scale,
+                layer.sliding_window,
+                store=False,  # rope_qkv stored them
+            )
+            delta = layer.o(out.reshape(tokens, -1).to(dtype))
+            x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps, dtype)
+            gate_up = layer.gate_up(x)
+            act = F.silu(gate_up[:, : layer.intermediate])
+            act.mul_(gate_up[:, layer.intermediate :])
+            delta = layer.down(act)
+        rows = batch.logits_indices
+        if rows.numel() == 0:
+            return hidden.new_empty(0, self.vocab_size)
+        assert delta is not None
+        x = ops.add_rms_norm(
+            hidden.index_select(0, rows),
+            delta.index_select(0, rows),
+            self._norm,
+            self._norm_eps,
+            dtype,
+        )
+        # Sampling reads float32 logits whatever the weights' dtype.
+        return self._lm_head(x).float()
+
+
+def build_fast_forward(
+    model: nn.Module,
+    packed: PackedLinears | None,
+    probe: ProbeRecord,
+    layer_ops: Any,
+) -> FastForward | None:
+    """A ``FastForward`` for ``model``, or None (logged) when it does not qualify.
+
+    ``layer_ops`` has ``add_rms_norm`` and ``rope_qkv`` (a ``NativeLayerOps``, or the
+    kernel module itself). The engine goes through ``plan_fast_forward`` instead.
+    """
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    try:
+        return plan_fast_forward(model, packed, probe, layer_ops)
+    except Unsupported as reason:
+        logger.info("cbgen: decoder fast path off: %s", reason)
+        return None
+
+
+class Unsupported(Exception):
+    """Why a model does not qualify for the fast path."""
+
+
+def _require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise Unsupported(reason)
+
+
+def plan_fast_forward(
+    model: nn.Module,
+    packed: PackedLinears | None,
+    probe: ProbeRecord,
+    layer_ops: Any,
+) -> FastForward:
+    """The fast path for ``model``; raises ``Unsupported`` saying why it does not qualify."""
+    _require(layer_ops is not None and hasattr(layer_ops, "rope_qkv"), "no native layer ops")
+    _require(packed is not None and len(packed) > 0, "linear maps are not prepacked")
+    assert packed is not None
+    config = model.config
+    _require(
+        getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES,
+        f"model type {getattr(config, 'model_type', None)!r} is not one of "
+        f"{sorted(SUPPORTED_MODEL_TYPES)}",
+    )
+    _require(_hook_free(model), "a module has forward hooks")
+    base = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        _require(hasattr(base, name), f"the base model has no {name}")
+    assert base is not None
+    _require(isinstance(base.embed_tokens, nn.Embedding), "the embedding is not nn.Embedding")
+    dtype = base.embed_tokens.weight.dtype
+    _require(
+        dtype == packed.dtype and all(p.dtype == dtype for p in model.parameters()),
+        f"weights are not all {str(packed.dtype).removeprefix('torch.')}",
+    )
+    _require(_is_rms_norm(base.norm), "the final norm is not an RMSNorm")
+    _require(getattr(config, "hidden_act", None) == "silu", "the MLP activation is not SiLU")
+    lm_head = packed.packed_weight(getattr(model, "lm_head", None))  # type: ignore[arg-type]
+    _require(lm_head is not None, "the LM head is not prepacked")
+    assert lm_head is not None
+
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    first = base.layers[0].self_attn if len(base.layers) else None
+    head_dim = int(getattr(first, "head_dim", 0))
+    _require(head_dim > 0 and head_dim % 2 == 0, "no even head_dim on the attention module")
+    _require(_rotary_width(base, head_dim), "the rotary embedding does not span the head")
+
+    layers = []
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+        qk_norms = _qk_norms(attn, head_dim)
+        _require(id(attn) in probe.layer_of_module, "an attention module the probe did not see")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _require(_is_rms_norm(norm), "a layer norm is not an RMSNorm")
+        _require(
+            getattr(attn, "head_dim", None) == head_dim
+            and attn.q_proj.out_features == heads * head_dim
+            and attn.k_proj.out_features == kv_heads * head_dim
+            and attn.v_proj.out_features == kv_heads * head_dim,
+            "attention heads differ from the config",
+        )
+        _require(
+            type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"),
+            "the MLP is not SiLU-gated",
+        )
+        qkv = packed.fused_weight((attn.q_proj, attn.k_proj, attn.v_proj))
+        gate_up = packed.fused_weight((mlp.gate_proj, mlp.up_proj))
+        o, down = packed.packed_weight(attn.o_proj), packed.packed_weight(mlp.down_proj)
+        _require(
+            None not in (qkv, gate_up, o, down), "a layer's linear maps are not packed and fused"
+        )
+        index = probe.layer_of_module[id(attn)]
+        layers.append(
+            _Layer(
+                index=index,
+                input_norm=layer.input_layernorm.weight.detach(),
+                input_eps=float(layer.input_layernorm.variance_epsilon),
+                qkv=qkv,  # type: ignore[arg-type]
+                o=o,  # type: ignore[arg-type]
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+                gate_up=gate_up,  # type: ignore[arg-type]
+                down=down,  # type: ignore[arg-type]
+                intermediate=int(mlp.gate_proj.out_features),
+                scale=float(attn.scaling),
+                sliding_window=probe.layers[index].sliding_window,
+                qk_norms=qk_norms,
+            )
+        )
+    _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
+    return FastForward(model, layers, lm_head, layer_ops, heads, kv_heads, head_dim)
+
+
+def _qk_norms(
+    attn: nn.Module, head_dim: int
+) -> tuple[torch.Tensor, float, torch.Tensor, float] | None:
+    """Qwen3's per-head q and k RMSNorms (weights and epsilons), or None without them."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return None
+    _require(
+        all(_is_rms_norm(n) and n.weight.shape == (head_dim,) for n in (q_norm, k_norm)),
+        "q/k norms that are not per-head RMSNorms",
+    )
+    assert q_norm is not None and k_norm is not None
+    return (
+        q_norm.weight.detach(),
+        float(q_norm.variance_epsilon),
+        k_norm.weight.detach(),
+        float(k_norm.variance_epsilon),
+    )
+
+
+def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """transformers' RMSNorm over the last dimension of ``x`` ``[tokens, heads, head_dim]``
+    (a view into the fused q/k/v output), written in place, operation by operation as the
+    module computes it so the result is the same to the bit (bfloat16: in float32, rounded
+    once at the end)."""
+    if x.dtype != torch.float32:
+        wide = x.float()
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        x.copy_(weight.float() * (wide * torch.rsqrt(variance + eps)))
+        return
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x.copy_(weight * (x * torch.rsqrt(variance + eps)))
+
+
+def _hook_free(model: nn.Module) -> bool:
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    return not any(
+        m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()
+    )
+
+
+def _is_rms_norm(module: object) -> bool:
+    """transformers' Llama-style RMSNorm: ``weight * x / rms(x)`` (float32: every weight is)."""
+    return (
+        type(module).__name__ in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+        and getattr(module, "weight", None) is not None
+        and hasattr(module, "variance_epsilon")
+    )
+
+
+def _rotary_width(base: nn.Module, head_dim: int) -> bool:
+    probe = torch.zeros(1, 1, 1)
+    positions = torch.zeros(1, 1, dtype=torch.long)
+    with torch.inference_mode():
+        cos, sin = base.rotary_emb(probe, positions)  # type: ignore[operator]
+    return cos.shape[-1] == head_dim and sin.shape[-1] == head_dim

@@ -1,0 +1,379 @@
+"""Prepacked linear maps on CPU (oneDNN, float32 or bfloat16), applied to a model for an
+engine's lifetime.
+
+On CPU ``F.linear`` hands every call to a GEMM that re-reads the weight in its
+row-major layout; oneDNN can reorder a weight once into the blocked layout its
+kernels read fastest. For the bundled SmolLM2 at 64 decode rows and one thread
+this took the decoder layers' linear maps from about 262 to 219 ms a step and
+the LM head (49152 x 576) from about 106 to 48 ms, and a whole decode step from
+about 440 to 320 ms (``bench/micro_step.py --compare no-prepack,prepack``).
+
+The transform overrides ``forward`` on each ``nn.Linear`` instance (so module
+identity, hooks on parents and ``state_dict`` are untouched) and keeps the
+packed copy beside the original weight, which stays in place: ``restore()``
+just drops the overrides. The packed copy costs about 570 MB for SmolLM2 in
+float32 (LM head included); where the originals are pages of a memory-mapped
+file (safetensors), they are unmapped (``page_out``), so packing costs little
+more than the weights once.
+
+Outputs differ from ``F.linear`` by float32 rounding (the sums run in another
+order), which is the same kind of difference batching already makes.
+
+bfloat16 weights pack the same way (oneDNN's AVX512_BF16 kernels, float32
+accumulation): all of SmolLM2's layer maps at 64 rows took 67 ms against 80 ms
+with ``F.linear``, and at one row 6.5 against 11.4 ms (``bench/linear_kernels.py``).
+Weight-only int8 and 4-bit maps (``cbgen.executor.cpu.quantization``) are fused here the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import mmap
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...sysmem import file_mappings, unmodified_file_pages
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "CBGEN_NO_PREPACK"
+# Keep q/k/v and gate/up as separate GEMMs (for a model whose code cannot take the
+# column views that fused siblings return).
+NO_FUSE_ENV = "CBGEN_NO_FUSE"
+
+
+def prepack_supported() -> bool:
+    """Whether this torch build has the oneDNN packed-linear ops (CPU builds with mkldnn)."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
+    """``weight`` (``[out, in]``, float32 or bfloat16, CPU) reordered into oneDNN's blocked
+    layout."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight from ``pack_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class LinearMap:
+    """``x -> x @ W.T + b`` by some kernel: what the fast decoder calls for each linear map
+    (``PackedMap`` here; ``cbgen.executor.cpu.quantization``'s int8 and 4-bit maps)."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` can take this kernel (else the module's own forward runs)."""
+        raise NotImplementedError
+
+
+class PackedMap(LinearMap):
+    """A oneDNN prepacked weight (float32 or bfloat16) and its bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, hint: int) -> None:
+        self.dtype = weight.dtype
+        self.out_features = int(weight.shape[0])
+        self.packed = pack_weight(weight, hint)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed, self.bias)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype
+
+
+def _plain_call(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    # The packed ops want a CPU, non-empty input without autograd; anything else (an
+    # empty batch, a training call) takes the module's own path.
+    return (
+        x.device.type != "cpu"
+        or x.numel() == 0
+        or (
+            torch.is_grad_enabled()
+            and (x.requires_grad or bool(getattr(weight, "requires_grad", False)))
+        )
+    )
+
+
+def _mapped_forward(
+    module: nn.Module, linear_map: LinearMap
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    plain = type(module).forward.__get__(module)
+    weight = getattr(module, "weight", None)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if _plain_call(x, weight) or not linear_map.accepts(x):
+            return plain(x)
+        return linear_map(x)
+
+    return forward
+
+
+# Sibling linear maps that every supported architecture calls on one input tensor.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _SharedInput:
+    """One GEMM for sibling linear maps that read the same input (q/k/v, gate/up).
+
+    Whichever sibling is called first with a new input runs the GEMM of the
+    concatenated weights and keeps the result until every sibling has taken its
+    columns, so the call order does not matter. Small output widths (192 for
+    SmolLM2's k and v) keep oneDNN far from its peak; one 960-wide GEMM for q/k/v and
+    one 3072-wide for gate/up took a layer's share from 1.92 to 1.73 ms at 64 rows,
+    with bitwise identical outputs (the sums along the input dimension are unchanged).
+    """
+
+    def __init__(self, modules: list[nn.Module], linear_map: LinearMap) -> None:
+        self.members = tuple(modules)  # in column order
+        self.map = linear_map
+        bounds = [0]
+        for m in modules:
+            bounds.append(bounds[-1] + int(m.out_features))
+        self.columns = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._waiting: set[int] = set()
+
+    def forward_for(self, index: int, module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        plain = type(module).forward.__get__(module)
+        weight = getattr(module, "weight", None)
+        count = len(self.columns)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if _plain_call(x, weight) or not self.map.accepts(x):
+                return plain(x)
+            if self._input is not x or index not in self._waiting:
+                self._output = self.map(x)
+                self._input = x
+                self._waiting = set(range(count))
+            self._waiting.discard(index)
+            out = self._output[..., self.columns[index]]
+            if not self._waiting:  # every sibling served: let go of the tensors
+                self._input = self._output = None
+            return out
+
+        return forward
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` that is only its matrix product. A subclass with a forward of its
+    own (PhiMoE's router returns a tuple) is more than that, and keeps its own forward
+    (no prepacked or quantized copy replaces it)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+class PackedLinears:
+    """The linear maps of a model switched to prepacked kernels.
+
+    ``nn.Linear`` modules whose weights are ``dtype`` (float32 or bfloat16) on CPU get
+    a oneDNN prepacked weight (``PackedMap``); quantized modules
+    (``cbgen.executor.cpu.quantization.QuantizedLinear``, anything with a ``fused_map`` classmethod)
+    get their own kernel. Others are left alone. Siblings named in ``FUSED_SIBLINGS``
+    of one kind with the same input width share one GEMM (``_SharedInput``) unless
+    ``fuse=False`` (default: on unless ``CBGEN_NO_FUSE=1``). ``restore()``
+    (idempotent) gives every module its own ``forward`` back.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch_size_hint: int = 64,
+        fuse: bool | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if fuse is None:
+            fuse = os.environ.get(NO_FUSE_ENV) != "1"
+        if dtype not in PACKED_DTYPES:
+            raise ValueError(f"oneDNN packs {PACKED_DTYPES} weights, not {dtype}")
+        self.dtype = dtype
+        self._hint = batch_size_hint
+        # What serves each module: its own map, or a fused group.
+        self._single: dict[nn.Module, LinearMap] = {}
+        self._fused: dict[nn.Module, _SharedInput] = {}
+        self.released_bytes = 0  # resident bytes of original weights handed back to the OS
+        self.fused_groups = 0
+        if not prepack_supported():
+            return
+        file_maps = file_backed_ranges()
+        forwards: dict[nn.Module, Callable[[torch.Tensor], torch.Tensor]] = {}
+        for parent in model.modules() if fuse else ():
+            for names in FUSED_SIBLINGS:
+                siblings = [getattr(parent, name, None) for name in names]
+                if not self._fusable(siblings):
+                    continue
+                linear_map = self._map_for(siblings)  # type: ignore[arg-type]
+                if linear_map is None:
+                    continue
+                group = _SharedInput(siblings, linear_map)  # type: ignore[arg-type]
+                for index, module in enumerate(siblings):
+                    assert module is not None
+                    forwards[module] = group.forward_for(index, module)
+                    self._fused[module] = group
+                    # Released as soon as packed: the peak holds one copy, not two.
+                    self.released_bytes += self._page_out(module, file_maps)
+                self.fused_groups += 1
+        for module in model.modules():
+            if not self._servable(module) or module in forwards:
+                continue
+            linear_map = self._map_for([module])
+            if linear_map is None:
+                continue
+            forwards[module] = _mapped_forward(module, linear_map)
+            self._single[module] = linear_map
+            self.released_bytes += self._page_out(module, file_maps)
+        for module, forward in forwards.items():
+            module.forward = forward  # type: ignore[method-assign]
+
+    def _servable(self, module: object) -> bool:
+        if not isinstance(module, nn.Module) or "forward" in module.__dict__:
+            return False  # not a module, or already overridden: leave it
+        if isinstance(module, nn.Linear):
+            return (
+                plain_linear(module)
+                and module.weight.dtype == self.dtype
+                and module.weight.device.type == "cpu"
+            )
+        return hasattr(type(module), "fused_map") and all(
+            t.device.type == "cpu" for t in module.buffers()
+        )
+
+    def _fusable(self, siblings: list[object]) -> bool:
+        if not all(self._servable(m) for m in siblings):
+            return False
+        modules: list[Any] = siblings
+        return (
+            len({type(m) for m in modules}) == 1
+            and len({m.in_features for m in modules}) == 1
+            and len({m.bias is None for m in modules}) == 1
+            and len({id(m) for m in modules}) == len(modules)
+        )
+
+    def _map_for(self, modules: list[nn.Module]) -> LinearMap | None:
+        first: Any = modules[0]
+        if not isinstance(first, nn.Linear):
+            return type(first).fused_map(modules)  # type: ignore[no-any-return]
+        weight = torch.cat([m.weight.detach() for m in modules])  # type: ignore[misc]
+        biases = [m.bias for m in modules]
+        bias = (
+            torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+        )  # type: ignore[union-attr]
+        return PackedMap(weight, bias, self._hint)
+
+    @staticmethod
+    def _page_out(module: nn.Module, file_maps: list[tuple[int, int]]) -> int:
+        weight = getattr(module, "weight", None)
+        return page_out(weight, file_maps) if isinstance(weight, torch.Tensor) else 0
+
+    def __len__(self) -> int:
+        return len(self._single) + len(self._fused)
+
+    def packed_weight(self, module: nn.Module | None) -> LinearMap | None:
+        """The map serving ``module`` alone (None: fused, or not packed)."""
+        return self._single.get(module) if module is not None else None
+
+    def fused_weight(self, modules: tuple[nn.Module, ...]) -> LinearMap | None:
+        """The map of one fused group holding exactly ``modules`` in this order (their
+        outputs side by side), or None."""
+        group = self._fused.get(modules[0])
+        if group is None or len(group.members) != len(modules):
+            return None
+        if any(a is not b for a, b in zip(group.members, modules, strict=True)):
+            return None
+        return group.map
+
+    def restore(self) -> None:
+        for module in [*self._single, *self._fused]:
+            module.__dict__.pop("forward", None)
+        self._single.clear()
+        self._fused.clear()
+
+
+_MADV_DONTNEED = 4
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def file_backed_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's memory-mapped files (Linux; empty elsewhere)."""
+    return [(mapping.start, mapping.end) for mapping in file_mappings()]
+
+
+def page_out(tensor: torch.Tensor, file_maps: list[tuple[int, int]]) -> int:
+    """Drop the resident pages under ``tensor`` from this process if they are unmodified
+    pages of a memory-mapped file; return the bytes released.
+
+    The original weights stay the model's parameters, but once a packed copy serves
+    every call little reads them. Loaded from safetensors they are file pages mapped
+    privately: ``MADV_DONTNEED`` unmaps them (about 540 MB off the resident set of the
+    bundled model) while the OS keeps the file in its page cache, so a later read (the
+    embedding lookups of a tied LM head, the plain-path fallback) is a cheap minor fault
+    that maps the same bytes again. A page the process has written to is a private copy
+    that dropping would revert to the file's contents, so any range holding one, and any
+    weight in anonymous memory, is left alone.
+    """
+    madvise = _madvise()
+    if (
+        madvise is None
+        or tensor.device.type != "cpu"
+        or tensor.numel() == 0
+        or not tensor.is_contiguous()
+    ):
+        return 0
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(low <= start and end <= high for low, high in file_maps):
+        return 0
+    start = -(-start // page) * page
+    end = end // page * page
+    if end <= start or not unmodified_file_pages(start, end, page):
+        return 0
+    if madvise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
+def prepack_enabled_by_default(model: nn.Module) -> bool:
+    """On for float32 and bfloat16 models on CPU, unless ``CBGEN_NO_PREPACK=1``."""
+    if os.environ.get(DISABLE_ENV) == "1" or not prepack_supported():
+        return False
+    try:
+        param = next(model.parameters())
+    except StopIteration:
+        return False
+    return param.device.type == "cpu" and param.dtype in PACKED_DTYPES

@@ -1,0 +1,55 @@
+"""The precision flags every command that loads a model takes (``generate``, ``serve``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (default: float32, bfloat16 with --quantization)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="K/V cache dtype (default: the weights'); bfloat16 halves the cache",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
+    )
+
+
+def load_model_for(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``load_model(args.model, ...)`` with the precision flags."""
+    return load_worker_model(args.model, dtype=args.dtype, quantization=args.quantization)
+
+
+def load_worker_model(
+    model: str,
+    *,
+    threads: int | None = None,
+    dtype: str | None = None,
+    quantization: str | None = None,
+    device: str = "cpu",
+) -> tuple[Any, Any]:
+    """``load_model`` for a process that runs one engine (a Ray actor or replica, a job):
+    the dtype by name, and ``threads`` (the process's CPUs) set for torch first."""
+    import torch
+
+    from ...models.loader import load_model
+
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    return load_model(
+        model,
+        dtype=getattr(torch, dtype) if dtype else None,
+        quantization=quantization,
+        device=device,
+    )

@@ -1,0 +1,189 @@
+"""``python -m cbgen serve``: load a model, start the online engine, serve it over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+
+from ...core.config import EngineConfig
+from ..args.precision import add_precision_arguments, load_model_for
+from ..args.speculative import add_speculative_arguments, speculative_config
+from .guard import LOOPBACK_HOSTS
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="bundled name, HF folder or .gguf file")
+    parser.add_argument("--served-model-name", help="the name clients pass (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("CBGEN_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $CBGEN_API_KEY)",
+    )
+    add_precision_arguments(parser)
+    add_speculative_arguments(parser)
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    parser.add_argument("--num-blocks", type=int, help="KV cache blocks (default: memory budget)")
+    parser.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)"
+    )
+    limits = parser.add_argument_group("production limits (see the README)")
+    limits.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests added but not started before calls get 429 (default 1024)",
+    )
+    limits.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=1 << 20,
+        help="prompt tokens of those requests before calls get 429 (default 1048576)",
+    )
+    limits.add_argument(
+        "--max-tokens-limit", type=int, help="largest max_tokens a call may ask (default: context)"
+    )
+    limits.add_argument(
+        "--max-choices", type=int, default=128, help="prompts x n per call (default 128)"
+    )
+    limits.add_argument(
+        "--max-unread-tokens",
+        type=int,
+        default=4096,
+        help="tokens a stream may leave unread before its request is aborted (default 4096)",
+    )
+    limits.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may leave a stream unread before it is aborted (default 60)",
+    )
+    limits.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origins allowed to call the API (CORS); others get 403 (default: none)",
+    )
+    limits.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running calls get to finish after SIGTERM (default 30)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection gets to send its request head (default 10)",
+    )
+    limits.add_argument(
+        "--fair-share-choices",
+        type=int,
+        default=8,
+        help="choices of one call past this many run one priority lower (default 8)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body gets to arrive after its head; 408 past it (default 30)",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="idle keep-alive seconds (default 5)"
+    )
+    limits.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="connections and tasks at once; 503 past it (default 1024)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args: argparse.Namespace) -> int:
+
+    from ..online import Engine
+    from .app import create_app
+    from .lifecycle import make_server
+
+    logging.getLogger("cbgen").setLevel(getattr(logging, args.log_level.upper()))
+    if not _is_loopback(args.host) and not args.api_key:
+        logger.warning(
+            "cbgen serve: binding %s without an API key: anyone who can reach it can use it",
+            args.host,
+        )
+    model, tokenizer = load_model_for(args)
+    config = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting_requests=args.max_waiting_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        speculative=speculative_config(args),
+    )
+    engine = Engine(
+        model,
+        tokenizer,
+        config,
+        max_unread_tokens=args.max_unread_tokens,
+        stream_timeout=args.stream_timeout,
+    )
+    app = None
+    try:
+        allowed_hosts = None
+        if not args.api_key and not _is_loopback(args.host):
+            allowed_hosts = {args.host, *LOOPBACK_HOSTS}
+        app = create_app(
+            engine,
+            tokenizer,
+            args.served_model_name or args.model,
+            api_key=args.api_key or None,
+            max_body_bytes=args.max_body_bytes,
+            max_choices=args.max_choices,
+            max_tokens_limit=args.max_tokens_limit,
+            allowed_origins=args.allowed_origins,
+            allowed_hosts=allowed_hosts,
+            body_timeout=args.body_timeout,
+            fair_share_choices=args.fair_share_choices,
+        )
+        server = make_server(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            drain_timeout=args.drain_timeout,
+            header_timeout=args.header_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
+            limit_concurrency=args.limit_concurrency,
+        )
+        server.run()
+    finally:
+        if app is not None:
+            app.state.cbgen.close()  # the tokenizer pool
+        engine.close()
+    return 0

@@ -1,0 +1,1 @@
+"""Loading models: the bundled GGUF files, Hugging Face folders, precision modes."""

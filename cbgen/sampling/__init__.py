@@ -1,0 +1,1 @@
+"""Sampling: parameters, generation-config defaults, logits processors, the sampler, logprobs, grammars."""
