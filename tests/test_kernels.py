@@ -8,6 +8,7 @@ compiler flags (AVX2 only, no SIMD) can be checked the same way by hand.
 
 from __future__ import annotations
 
+import os
 import platform
 from types import ModuleType
 
@@ -19,10 +20,21 @@ from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.cache.groups import LayerSpec
 from cbgen.cache.paged_cache import PagedKVCache
 from cbgen.executor.attention_hook import GroupTables, _decode_attention
+from cbgen.executor.cpu import kernels
 from cbgen.executor.cpu.kernels import compile_flags, decode_kernel, machine_key
 
 kernel = decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="native kernel could not be built")
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"),
+    reason="the kernels are only required where CI runs (x86-64 Linux)",
+)
+def test_the_native_kernels_build_where_ci_runs():
+    """On x86-64 Linux a failed build is a failure, not ~115 kernel tests quietly skipped."""
+    assert os.environ.get(kernels.DISABLE_ENV) != "1", f"{kernels.DISABLE_ENV}=1 is set"
+    assert kernel is not None, f"the native kernels did not build: {kernels.build_error}"
 
 
 def check_kernel(

@@ -14,11 +14,15 @@ moves with one copy per tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ..requests.scheduler_output import BlockMove
 from .paged_cache import PagedKVCache, _zeros
+
+logger = logging.getLogger(__name__)
 
 
 class SwapSpace:
@@ -68,3 +72,24 @@ class SwapSpace:
         ):
             moved = host_tensor.index_select(1, src).to(device, non_blocking=True)
             device_tensor.index_copy_(1, dst, moved)
+
+    def run_moves(
+        self, swap_out: Sequence[BlockMove], swap_in: Sequence[BlockMove]
+    ) -> list[BlockMove]:
+        """Run a step's swap copies, outs before ins (a swap-in may reuse a block a
+        swap-out reads); return the moves whose copy failed, each costing only its own
+        request (the scheduler recomputes it)."""
+        copies: list[tuple[BlockMove, Callable[[list[int], list[int]], None], list[int], list[int]]]
+        copies = [(m, self.copy_out, m.device_blocks, m.host_blocks) for m in swap_out]
+        copies += [(m, self.copy_in, m.host_blocks, m.device_blocks) for m in swap_in]
+        failed = []
+        for move, copy, src, dst in copies:
+            try:
+                copy(src, dst)
+            except Exception:
+                logger.exception(
+                    "cbgen: a swap copy of request %r failed; it will be recomputed",
+                    move.request_id,
+                )
+                failed.append(move)
+        return failed

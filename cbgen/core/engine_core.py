@@ -5,43 +5,38 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..cache.allocator import BlockAllocator
-from ..cache.groups import build_groups, max_request_tokens, tensor_layout
-from ..cache.paged_cache import PagedKVCache, bytes_per_token, default_cache_budget
-from ..cache.prefix_cache import prefix_caching_unsupported_reason
-from ..cache.state import StateCache, state_bytes_per_request
-from ..cache.swap import SwapSpace
-from ..executor.batch import BatchBuilder, StepBatch
+from ..executor.batch import StepBatch
 from ..executor.cpu.openmp import release_thread_team
 from ..executor.runner import Executor
 from ..executor.step_sampling import grammar_bitmask, sample_step
 from ..requests.detokenizer import make_decoder
 from ..requests.request import FinishReason, Request, RequestOutput, RequestStatus
-from ..requests.text import RequestText
-from ..sampling.logits import default_processors
 from ..sampling.params import SamplingParams
-from ..sampling.sampler import Sampler, SamplerOutput
-from ..sampling.structured import GrammarCompiler
-from ..spec.draft import DraftModelProposer, layer_skip_model
-from ..spec.speculative import NgramProposer, Proposer
-from ..sysmem import trim_heap
-from .config import EngineConfig, resolve_kv_cache_dtype
+from ..sampling.sampler import SamplerOutput
+from ..spec.build import draft_model_for, make_proposer
+from ..spec.draft import DraftModelProposer
+from ..spec.speculative import Proposer
+from .cache_plan import plan_cache
+from .config import EngineConfig
 from .input_processor import InputProcessor
+from .lifecycle import Lifecycle
+from .model_facts import model_eos_ids
 from .output_processor import OutputProcessor, PendingSamples
-from .scheduler import BlockMove, Scheduler, SchedulerOutput, make_scheduler
-from .weights import NamedTensors, WeightVersions, load_named_weights
+from .scheduler import Scheduler, make_scheduler
+from .weights import WeightVersions
 
 logger = logging.getLogger(__name__)
 
 
-class EngineCore:
+class EngineCore(Lifecycle):
     """Continuous batching over a paged KV cache for one ``transformers`` causal LM.
 
     Synchronous: the caller adds requests and calls ``step()`` until
@@ -65,7 +60,6 @@ class EngineCore:
         strings on its own and passes ``detokenize=False``."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self._grammars: GrammarCompiler | None = None  # built for the first grammar
         self._decode = (
             make_decoder(tokenizer, skip_special_tokens)
             if tokenizer is not None and detokenize
@@ -74,7 +68,7 @@ class EngineCore:
         model.eval()
         self.model = model
         # Before the target's executor changes its modules: a layer-skip draft copies them.
-        draft_model = _draft_model(self.config, model)
+        draft_model = draft_model_for(self.config.speculative, model)
         # The backends of every role are chosen here, once (``runner.describe()``).
         self.runner = Executor(
             model,
@@ -93,69 +87,42 @@ class EngineCore:
 
     def _build(self, model: torch.nn.Module, draft_model: torch.nn.Module | None) -> None:
         config = self.config
-        layers = self.runner.probe.layers
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
-        if kv_dtype is not None:  # the cache's dtype, not the model's
-            layers = [replace(spec, dtype=kv_dtype) for spec in layers]
-        self.cache_groups = build_groups(layers)
-        per_token = bytes_per_token(tensor_layout(layers, self.cache_groups)[1])
-        self.state_specs = self.runner.probe.state_layers
-        state_per_request = state_bytes_per_request(self.state_specs)
-        prefix_reason = prefix_caching_unsupported_reason(model.config, self.cache_groups)
-        # A prefix-cache hit of a state model starts from the state saved after its last
-        # cached block: as many such checkpoints as requests run at once.
-        caching = config.enable_prefix_caching and prefix_reason is None
-        self._num_checkpoints = config.max_num_seqs if self.state_specs and caching else 0
+        state_specs = self.runner.probe.state_layers
         spec = config.speculative
-        if spec is not None and self.state_specs:
+        if spec is not None and state_specs:
             raise ValueError(
                 f"speculative decoding is not supported for {type(model).__name__}: its "
-                f"{len(self.state_specs)} state layers (e.g. {self.state_specs[0].module}) "
+                f"{len(state_specs)} state layers (e.g. {state_specs[0].module}) "
                 "would need their state before every rejected guess; leave speculative unset"
             )
-        draft: DraftModelProposer | None = None
         if spec is not None:
-            if draft_model is None:
-                self.proposer = NgramProposer(spec.num_tokens, adaptive=spec.adaptive)
-            else:
-                self.proposer = draft = DraftModelProposer(
-                    draft_model,
-                    spec.num_tokens,
-                    vocab_size=self.runner.vocab_size,
-                    max_batch_tokens=config.max_batch_tokens,
-                    use_native_kernels=config.use_native_kernels,
-                    prepack_linear=config.prepack_linear,
-                    adaptive=spec.adaptive,
-                )
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        elif per_token == 0:
-            # State layers only: blocks are bookkeeping and cost nothing.
-            context = min(config.max_model_len or _model_context_limit(model) or 1 << 15, 1 << 15)
-            num_blocks = config.max_num_seqs * -(-context // config.block_size)
-        else:
-            # A draft's cache holds as many blocks as the target's, from the same budget.
-            budget = config.kv_cache_memory or default_cache_budget(self.runner.device)
-            # The state slots (running requests' and checkpoints) come first.
-            states = state_per_request * (config.max_num_seqs + self._num_checkpoints)
-            both = per_token + (draft.bytes_per_token if draft is not None else 0)
-            num_blocks = (budget - states) // (both * config.block_size)
-            if num_blocks < 1:
-                held = f" after {states} bytes of state slots" if states else ""
-                raise ValueError(
-                    f"KV cache budget of {budget} bytes holds no block{held}"
-                    + (" (fewer max_num_seqs need fewer slots)" if states else "")
-                )
-        self._layers = layers
-        self._num_blocks = num_blocks
+            self.proposer = make_proposer(
+                spec,
+                draft_model,
+                vocab_size=self.runner.vocab_size,
+                max_batch_tokens=config.max_batch_tokens,
+                use_native_kernels=config.use_native_kernels,
+                prepack_linear=config.prepack_linear,
+            )
+        draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
+        plan = plan_cache(
+            config,
+            model,
+            self.runner.probe.layers,
+            state_specs,
+            self.runner.device,
+            draft.bytes_per_token if draft is not None else 0,
+        )
+        self.plan = plan
+        self.cache_groups = plan.groups
+        self.state_specs = plan.state_specs
         self._allocate_memory()
         if self.swap_space is None and config.preemption_mode == "swap" and not self.state_specs:
             logger.warning("cbgen: swap_space holds no block; preemption will recompute")
-        self.allocator = BlockAllocator(num_blocks)
-        self.prefix_caching = config.enable_prefix_caching
-        if self.prefix_caching and prefix_reason is not None:
-            self.prefix_caching = False
-            logger.info("cbgen: prefix caching off: %s", prefix_reason)
+        self.allocator = BlockAllocator(plan.num_blocks)
+        self.prefix_caching = plan.prefix_caching
+        if config.enable_prefix_caching and not plan.prefix_caching:
+            logger.info("cbgen: prefix caching off: %s", plan.prefix_caching_off)
         self.scheduler: Scheduler = make_scheduler(
             config.scheduler_policy,
             self.allocator,
@@ -167,7 +134,7 @@ class EngineCore:
             swap_blocks=self.swap_space.num_blocks if self.swap_space is not None else 0,
             admission=config.admission,
             state_slots=config.max_num_seqs if self.state_specs else 0,
-            state_checkpoints=self._num_checkpoints,
+            state_checkpoints=plan.num_checkpoints,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions, spec_*
         self.sampler = self._make_sampler()
@@ -175,79 +142,25 @@ class EngineCore:
         self._paused = False  # pause() / sleep(): the model has its own modules back
         self._asleep = False  # sleep(): no KV cache, no packed weights
         self._held: list[RequestOutput] = []  # outputs of a step settled outside step()
-        # The longest request that fits alone (None: windowed layers only, any length fits).
-        cache_limit = max_request_tokens(
-            self.cache_groups, num_blocks, config.block_size, config.max_batch_tokens
-        )
-        model_limit = config.max_model_len or _model_context_limit(model) or cache_limit
-        if model_limit is None:
-            model_limit = 1 << 62
-        self.max_model_len = model_limit if cache_limit is None else min(model_limit, cache_limit)
-        self.output_processor = OutputProcessor(_model_eos_ids(model), self.max_model_len)
+        self.max_model_len = plan.max_model_len
+        self.output_processor = OutputProcessor(model_eos_ids(model), self.max_model_len)
         self.scheduler.max_model_len = self.max_model_len
         self.vocab_size = self.runner.vocab_size
-        self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.vocab_size,
+            self.max_model_len,
+            tokenizer=self.tokenizer,
+            decode=self._decode,
+            device=self.runner.device,
+            eos_token_ids=model_eos_ids(model),
+        )
         self._requests: dict[str, Request] = {}
         self._num_with_history = 0  # unfinished requests whose sampling reads their tokens
         self._in_flight: _InFlight | None = None  # async scheduling: the launched step
         self._executor: futures.ThreadPoolExecutor | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        logger.info(
-            "cbgen: %d KV blocks of %d tokens (%.1f MiB, %d bytes/token), context limit %d, "
-            "cache groups: %s",
-            num_blocks,
-            config.block_size,
-            num_blocks * config.block_size * per_token / 2**20,
-            per_token,
-            self.max_model_len,
-            "; ".join(g.describe() for g in self.cache_groups),
-        )
-        if self.state_specs:
-            logger.info(
-                "cbgen: %d state layers, %d bytes per request, %d slots (max_num_seqs) and "
-                "%d prefix-cache checkpoints: %s",
-                len(self.state_specs),
-                state_per_request,
-                config.max_num_seqs,
-                self._num_checkpoints,
-                "; ".join(s.describe() for s in self.state_specs),
-            )
-
-    def _allocate_memory(self) -> None:
-        """The KV cache (and the swap space, the batch builder that reads the cache, and a
-        draft model's cache), ``_num_blocks`` blocks: at build and after ``sleep()``."""
-        config = self.config
-        self.cache = PagedKVCache(
-            self._layers, self._num_blocks, config.block_size, self.runner.device, self.cache_groups
-        )
-        self.state_cache = (
-            StateCache(
-                self.state_specs, config.max_num_seqs + self._num_checkpoints, self.runner.device
-            )
-            if self.state_specs
-            else None
-        )
-        self.swap_space: SwapSpace | None = None
-        if config.preemption_mode == "swap" and self.state_specs:
-            logger.info("cbgen: preemption recomputes: swap does not hold the state layers' slots")
-        elif config.preemption_mode == "swap":
-            swap_blocks = SwapSpace.blocks_for_budget(self.cache, config.swap_space)
-            if swap_blocks > 0:
-                self.swap_space = SwapSpace(self.cache, swap_blocks)
-        self.batch_builder = BatchBuilder(
-            self.cache,
-            self.runner.probe.layer_of_module,
-            self.runner.attention,
-            self.cache_groups,
-            self.state_cache,
-        )
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.allocate_cache(self._num_blocks, config.block_size)
-
-    def _make_sampler(self) -> Sampler:
-        eos = _model_eos_ids(self.model)
-        return Sampler(argmax=self.runner.greedy.argmax, processors=default_processors(eos))
+        plan.log(config)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -262,48 +175,14 @@ class EngineCore:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r}: this id is already in use")
-        prompt = self.input_processor.validate(
-            request_id,
-            prompt_token_ids,
-            params,
-            one_sample="need cbgen.generate_batch; EngineCore.add_request runs one sample "
-            "(add one request per sample)",
+        request = self.input_processor.make_request(
+            request_id, prompt_token_ids, params, next(self._arrivals)
         )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                f"request {request_id!r}: stop strings need a tokenizer "
-                "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
-            )
-        grammar = None
-        if params.structured_output is not None:
-            try:
-                grammar = self._grammar_compiler().matcher(params.structured_output)
-            except ValueError as exc:
-                raise ValueError(f"request {request_id!r}: {exc}") from None
-        request = Request(request_id, prompt, params, next(self._arrivals))
-        request.grammar = grammar
-        if self._decode is not None:
-            request.text = RequestText(
-                prompt, self._decode, params.stop_strings, params.include_stop_str_in_output
-            )
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self._requests[request_id] = request
         if params.needs_history:
             self._num_with_history += 1
         self.scheduler.add(request)
         return request_id
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "structured output needs a tokenizer "
-                    "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
-                )
-            eos = sorted(_model_eos_ids(self.model)) or None
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids=eos)
-        return self._grammars
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks come back at once. False if it is unknown or done."""
@@ -330,10 +209,13 @@ class EngineCore:
         self.scheduler.kv.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running or in a launched step: call ``step()``
+        until this is False."""
         return self._in_flight is not None or self.scheduler.has_unfinished()
 
     @property
     def num_unfinished(self) -> int:
+        """Requests waiting or running (not counting a step in flight)."""
         return self.scheduler.num_unfinished
 
     # -- the step -----------------------------------------------------------------------
@@ -381,12 +263,14 @@ class EngineCore:
         if scheduled.swap_out or scheduled.swap_in:
             if in_flight is not None:  # the copies read K/V the step in flight writes
                 futures.wait([in_flight.future])
-            self._move_blocks(scheduled)
+            assert self.swap_space is not None
+            for move in self.swap_space.run_moves(scheduled.swap_out, scheduled.swap_in):
+                self.scheduler.swap_failed(move, scheduled)
         if scheduled.is_empty:
             return self._settle_in_flight() if in_flight is not None else outputs
         batch = self.batch_builder.build(scheduled)
         bitmask = None
-        if self._grammars is not None:
+        if self.input_processor.grammars is not None:
             bitmask = grammar_bitmask(batch.sampled, self._requests, self.vocab_size)
         pending = self.output_processor.advance(scheduled, self._requests)
         if not self.config.async_scheduling:
@@ -491,125 +375,6 @@ class EngineCore:
             self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="cbgen-forward")
         return self._executor
 
-    def _move_blocks(self, scheduled: SchedulerOutput) -> None:
-        """Run the step's swap copies, outs before ins (a swap-in may reuse a block
-        a swap-out reads). A failed copy costs only its own request: it is recomputed."""
-        swap = self.swap_space
-        assert swap is not None
-        copies: list[tuple[BlockMove, Callable[[list[int], list[int]], None], list[int], list[int]]]
-        copies = [(m, swap.copy_out, m.device_blocks, m.host_blocks) for m in scheduled.swap_out]
-        copies += [(m, swap.copy_in, m.host_blocks, m.device_blocks) for m in scheduled.swap_in]
-        for move, copy, src, dst in copies:
-            try:
-                copy(src, dst)
-            except Exception:
-                logger.exception(
-                    "cbgen: a swap copy of request %r failed; it will be recomputed",
-                    move.request_id,
-                )
-                self.scheduler.swap_failed(move, scheduled)
-
-    # -- weights and memory: training and generating with one model ---------------------
-
-    def update_weights(self, weights: NamedTensors) -> int:
-        """Load ``weights`` (``{name: tensor}`` or ``(name, tensor)`` pairs, names as in
-        ``model.state_dict()``) into the model and ``refresh()``; return how many were
-        loaded. A quantized map takes float weights and quantizes them again. Paused or
-        asleep, the weights are loaded and the refresh happens on ``resume``/``wake``."""
-        if self._in_flight is not None:
-            self._held += self._settle_in_flight()  # that step read the old weights
-        count = load_named_weights(self.model, weights)
-        if not self._paused:
-            self.refresh()
-        return count
-
-    def refresh(self) -> None:
-        """Generate from the model's current weights from the next step on (call it after
-        changing them in place, e.g. an optimizer step): every copy made from the old
-        ones is made again (prepacked and fused weights, quantized kernels, embedding
-        rows, a layer-skip draft's), the prefix cache is emptied, and every unfinished
-        request computes its K/V again (its tokens so far are kept)."""
-        if self._in_flight is not None:
-            self._held += self._settle_in_flight()
-        self._forget_kv()
-        if not self._paused:
-            self._rebuild_executor()
-        self._weights.mark()
-
-    def pause(self) -> None:
-        """Give the model its own forward and attention back (to train it, or call it),
-        keeping the KV cache; requests wait. ``step()`` raises until ``resume()``.
-        The packed weight copies are freed."""
-        if self._paused:
-            return
-        if self._in_flight is not None:
-            self._held += self._settle_in_flight()
-        if self.proposer is not None:
-            self.proposer.pause()
-        self.runner.close()
-        self._paused = True
-
-    def resume(self) -> None:
-        """Back to generating after ``pause()`` (or ``sleep()``): the executor is built
-        again from the weights as they are now; if they changed, the K/V of every request
-        is computed again and the prefix cache starts empty."""
-        if not self._paused:
-            return
-        stale = self._weights.changed()
-        self._rebuild_executor()
-        if self._asleep:
-            self._allocate_memory()
-            self._asleep = False
-        if stale:
-            self._forget_kv()
-        self._weights.mark()
-        self._paused = False
-
-    def sleep(self) -> None:
-        """``pause()`` and free the KV cache (and swap space) too, for a training step
-        that needs the memory; unfinished requests compute their K/V again after
-        ``wake()``."""
-        self.pause()
-        if self._asleep:
-            return
-        self._forget_kv()
-        if self.proposer is not None:
-            self.proposer.release_cache()
-        del self.cache, self.swap_space, self.batch_builder, self.state_cache
-        trim_heap()  # the packed weights' memory back to the OS, not kept for reuse
-        self._asleep = True
-
-    def wake(self) -> None:
-        """The KV cache back and generating again, after ``sleep()`` (as ``resume()``)."""
-        self.resume()
-
-    @property
-    def is_paused(self) -> bool:
-        return self._paused
-
-    def _forget_kv(self) -> None:
-        """Every K/V computed so far is stale: requests compute theirs again, the prefix
-        cache and a draft's cache start empty."""
-        self.scheduler.recompute_all()
-        self.scheduler.kv.reset_prefix_cache()
-        if self.proposer is not None:
-            self.proposer.reset()
-
-    def _rebuild_executor(self) -> None:
-        """A new executor from the model's current weights (the old one closed)."""
-        self.runner.close()
-        self.runner = Executor(
-            self.model,
-            use_native_kernels=self.config.use_native_kernels,
-            prepack_linear=self.config.prepack_linear,
-        )
-        self.kernels = self.runner.kernels
-        if not self._asleep:
-            self.batch_builder.attention = self.runner.attention
-        self.sampler = self._make_sampler()
-        if self.proposer is not None:
-            self.proposer.resume()
-
     # -- lifetime -----------------------------------------------------------------------
 
     def close(self) -> None:
@@ -633,6 +398,8 @@ class EngineCore:
         self.close()
 
     def request_status(self, request_id: str) -> RequestStatus | None:
+        """Where a request is (waiting, running, preempted, finished); None once it is
+        finished and forgotten, or if the id is unknown."""
         request = self._requests.get(request_id)
         return request.status if request is not None else None
 
@@ -643,44 +410,3 @@ class _InFlight:
 
     pending: PendingSamples
     future: futures.Future[SamplerOutput]
-
-
-def _draft_model(config: EngineConfig, model: torch.nn.Module) -> torch.nn.Module | None:
-    """The draft model ``config.speculative`` names: none for prompt lookup, the user's
-    for ``"draft"``, the target's first layers for ``"layer_skip"``."""
-    spec = config.speculative
-    if spec is None or spec.method == "ngram":
-        return None
-    if spec.method == "layer_skip":
-        return layer_skip_model(model, spec.num_layers)
-    draft: torch.nn.Module = spec.draft_model
-    if draft is model:
-        raise ValueError("draft_model is the target itself; use method='layer_skip'")
-    target_device = next(model.parameters()).device
-    draft_device = next(draft.parameters()).device
-    if draft_device != target_device:
-        raise ValueError(
-            f"draft_model is on {draft_device} and the target on {target_device}; "
-            "put them on the same device"
-        )
-    return draft
-
-
-def _model_context_limit(model: torch.nn.Module) -> int | None:
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _model_eos_ids(model: torch.nn.Module) -> set[int]:
-    """The ids ``model.generate()`` stops on: the generation config's, else the model config's."""
-    generation_config = getattr(model, "generation_config", None)
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)

@@ -9,19 +9,83 @@ a rule is written once and a bad request is refused the same way everywhere: wit
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..requests.request import Request
+from ..requests.text import RequestText
 from ..sampling.params import SamplingParams, sample_seed
+from ..sampling.structured import GrammarCompiler
 
 
 class InputProcessor:
-    """Validation against the model (vocabulary, context) and the sampling rules."""
+    """Validation against the model (vocabulary, context) and the sampling rules, and
+    the ``Request`` an engine schedules: its grammar matcher, its text (stop strings)
+    and its seeded generator. Grammars are compiled here, when the request is added, so
+    a bad spec fails its own ``add_request`` and never a step."""
 
-    def __init__(self, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_model_len: int,
+        *,
+        tokenizer: Any = None,
+        decode: Callable[[list[int]], str] | None = None,
+        device: torch.device | None = None,
+        eos_token_ids: set[int] | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.decode = decode  # None: requests carry no text (the online engine has its own)
+        self.device = device or torch.device("cpu")
+        self.eos_token_ids = eos_token_ids or set()
+        self.grammars: GrammarCompiler | None = None  # built for the first grammar
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: Any, params: SamplingParams, arrival: int
+    ) -> Request:
+        """The request to schedule; ``ValueError`` naming ``request_id`` if it cannot run."""
+        prompt = self.validate(
+            request_id,
+            prompt_token_ids,
+            params,
+            one_sample="need cbgen.generate_batch; EngineCore.add_request runs one sample "
+            "(add one request per sample)",
+        )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: stop strings need a tokenizer "
+                "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
+            )
+        grammar = None
+        if params.structured_output is not None:
+            try:
+                grammar = self._grammar_compiler().matcher(params.structured_output)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
+        request = Request(request_id, prompt, params, arrival)
+        request.grammar = grammar
+        if self.decode is not None:
+            request.text = RequestText(
+                prompt, self.decode, params.stop_strings, params.include_stop_str_in_output
+            )
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return request
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured output needs a tokenizer "
+                    "(EngineCore(model, config, tokenizer) or generate_batch(..., tokenizer=))"
+                )
+            eos = sorted(self.eos_token_ids) or None
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids=eos)
+        return self.grammars
 
     def validate(
         self,

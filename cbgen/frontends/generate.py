@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from ..sampling.params import SamplingParams
 
 
 def generate_batch(
-    model: torch.nn.Module,
+    model: torch.nn.Module | EngineCore,
     prompts_token_ids: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams] | Any | None = None,
     config: EngineConfig | None = None,
@@ -42,12 +43,29 @@ def generate_batch(
 
     With a ``tokenizer`` every output has its ``text``, and requests may list stop
     strings (``SamplingParams.stop``).
+
+    ``model`` may also be an open ``EngineCore`` with no unfinished requests (its own
+    config and tokenizer apply; it stays open), so that building it (native kernels,
+    packed weights, the KV cache) is paid once and timed apart from generating.
     """
+    if isinstance(model, EngineCore):
+        if config is not None or tokenizer is not None:
+            raise ValueError(
+                "generate_batch on an EngineCore takes the engine's own config and tokenizer; "
+                "pass them to EngineCore(model, config, tokenizer)"
+            )
+        if model.has_unfinished():
+            raise ValueError("generate_batch needs an EngineCore with no unfinished requests")
     per_prompt = _per_prompt_params(params, len(prompts_token_ids))
     outputs: list[RequestOutput | None] = [None] * len(prompts_token_ids)
     samples: dict[str, tuple[int, int]] = {}  # request id -> (prompt index, sample index)
     results: dict[int, list[RequestOutput | None]] = {}
-    with EngineCore(model, config, tokenizer) as engine:
+    opened = (
+        contextlib.nullcontext(model)
+        if isinstance(model, EngineCore)
+        else EngineCore(model, config, tokenizer)
+    )
+    with opened as engine:
         errors: list[str] = []
         for index, (prompt, request_params) in enumerate(
             zip(prompts_token_ids, per_prompt, strict=True)

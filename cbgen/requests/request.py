@@ -25,6 +25,9 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
+    """Why a request (or one completion) ended; its value is what outputs and the server
+    report (``str(reason)``)."""
+
     EOS = "eos"  # the model's end-of-sequence token
     STOP = "stop"  # one of the request's own extra stop ids
     LENGTH = "length"  # max_new_tokens reached

@@ -106,6 +106,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether the request takes the most likely token (``temperature`` near 0)."""
         return self.temperature < GREEDY_TEMPERATURE
 
     @property

@@ -104,6 +104,8 @@ class Engine:
     # -- lifetime -----------------------------------------------------------------------
 
     def start(self) -> Engine:
+        """Start the engine's loop thread (``with Engine(...)`` does it); requests added
+        before it wait in the queue. Raises ``EngineClosedError`` after ``close()``."""
         with self._lock:
             if self._results.closed:
                 raise EngineClosedError("the engine is closed")
@@ -127,6 +129,7 @@ class Engine:
 
     @property
     def is_running(self) -> bool:
+        """Whether the loop thread is started and has not stopped (closed or failed)."""
         return self._loop.thread is not None and not self._results.stopped
 
     # -- requests -----------------------------------------------------------------------
@@ -254,6 +257,7 @@ class Engine:
         self._call(EngineCore.pause)
 
     def resume(self) -> None:
+        """``EngineCore.resume``: the loop steps again, from the weights as they are now."""
         self._call(EngineCore.resume)
 
     def sleep(self) -> None:
@@ -261,6 +265,7 @@ class Engine:
         self._call(EngineCore.sleep)
 
     def wake(self) -> None:
+        """``EngineCore.wake``: the KV cache back and the loop stepping again."""
         self._call(EngineCore.wake)
 
     def _call(self, method: Callable[[EngineCore], Any]) -> Any:

@@ -41,11 +41,12 @@ DISABLE_ENV = "CBGEN_NO_KERNELS"
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
+build_error: str | None = None  # why the build failed, for the test that requires it
 
 
 def decode_kernel() -> ModuleType | None:
     """The compiled module, or None when native kernels are off or failed to build."""
-    global _module, _failed
+    global _module, _failed, build_error
     if _module is not None or _failed:
         return _module
     if os.environ.get(DISABLE_ENV) == "1":
@@ -57,6 +58,7 @@ def decode_kernel() -> ModuleType | None:
                 _module = _build()
             except Exception as exc:  # a missing compiler must not take the engine down
                 _failed = True
+                build_error = f"{type(exc).__name__}: {exc}"
                 logger.warning("cbgen: native decode kernel unavailable (%s); using torch", exc)
     return _module
 
@@ -70,6 +72,13 @@ def _build() -> ModuleType:
     build_dir = cache_dir() / "kernels" / machine_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     with _build_lock(build_dir):
+        if not (build_dir / "cbgen_cpu_kernels.so").exists():
+            # The first engine on a machine (or after an upgrade) waits for the compiler.
+            logger.warning(
+                "cbgen: building the native CPU kernels, once for this machine and version "
+                "(about a minute); later runs load them from %s",
+                build_dir,
+            )
         return load(
             name="cbgen_cpu_kernels",
             sources=[str(here / name) for name in SOURCES],

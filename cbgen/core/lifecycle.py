@@ -1,0 +1,201 @@
+"""The engine's weights and memory over its life: new weights from a trainer, pause and
+resume around a training step, sleep and wake to give the KV cache's memory back.
+
+A mixin of ``EngineCore``: these are its methods, kept apart from the step loop because
+they run between steps, never inside one, and own the executor's and the cache's
+rebuilding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..cache.paged_cache import PagedKVCache
+from ..cache.state import StateCache
+from ..cache.swap import SwapSpace
+from ..executor.batch import BatchBuilder
+from ..executor.runner import Executor
+from ..requests.request import RequestOutput
+from ..sampling.logits import default_processors
+from ..sampling.sampler import Sampler
+from ..spec.draft import DraftModelProposer
+from ..spec.speculative import Proposer
+from ..sysmem import trim_heap
+from .cache_plan import CachePlan
+from .config import EngineConfig
+from .model_facts import model_eos_ids
+from .scheduler import Scheduler
+from .weights import NamedTensors, WeightVersions, load_named_weights
+
+if TYPE_CHECKING:
+    from .engine_core import _InFlight
+
+logger = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    """Weights and memory of an ``EngineCore`` (see the module's docstring)."""
+
+    model: torch.nn.Module
+    config: EngineConfig
+    plan: CachePlan
+    runner: Executor
+    kernels: Any
+    proposer: Proposer | None
+    scheduler: Scheduler
+    sampler: Sampler
+    cache: PagedKVCache
+    state_cache: StateCache | None
+    swap_space: SwapSpace | None
+    batch_builder: BatchBuilder
+    _weights: WeightVersions
+    _paused: bool
+    _asleep: bool
+    _held: list[RequestOutput]
+    _in_flight: _InFlight | None
+    _settle_in_flight: Callable[[], list[RequestOutput]]
+
+    def update_weights(self, weights: NamedTensors) -> int:
+        """Load ``weights`` (``{name: tensor}`` or ``(name, tensor)`` pairs, names as in
+        ``model.state_dict()``) into the model and ``refresh()``; return how many were
+        loaded. A quantized map takes float weights and quantizes them again. Paused or
+        asleep, the weights are loaded and the refresh happens on ``resume``/``wake``."""
+        if self._in_flight is not None:
+            self._held += self._settle_in_flight()  # that step read the old weights
+        count = load_named_weights(self.model, weights)
+        if not self._paused:
+            self.refresh()
+        return count
+
+    def refresh(self) -> None:
+        """Generate from the model's current weights from the next step on (call it after
+        changing them in place, e.g. an optimizer step): every copy made from the old
+        ones is made again (prepacked and fused weights, quantized kernels, embedding
+        rows, a layer-skip draft's), the prefix cache is emptied, and every unfinished
+        request computes its K/V again (its tokens so far are kept)."""
+        if self._in_flight is not None:
+            self._held += self._settle_in_flight()
+        self._forget_kv()
+        if not self._paused:
+            self._rebuild_executor()
+        self._weights.mark()
+
+    def pause(self) -> None:
+        """Give the model its own forward and attention back (to train it, or call it),
+        keeping the KV cache; requests wait. ``step()`` raises until ``resume()``.
+        The packed weight copies are freed."""
+        if self._paused:
+            return
+        if self._in_flight is not None:
+            self._held += self._settle_in_flight()
+        if self.proposer is not None:
+            self.proposer.pause()
+        self.runner.close()
+        self._paused = True
+
+    def resume(self) -> None:
+        """Back to generating after ``pause()`` (or ``sleep()``): the executor is built
+        again from the weights as they are now; if they changed, the K/V of every request
+        is computed again and the prefix cache starts empty."""
+        if not self._paused:
+            return
+        stale = self._weights.changed()
+        self._rebuild_executor()
+        if self._asleep:
+            self._allocate_memory()
+            self._asleep = False
+        if stale:
+            self._forget_kv()
+        self._weights.mark()
+        self._paused = False
+
+    def sleep(self) -> None:
+        """``pause()`` and free the KV cache (and swap space) too, for a training step
+        that needs the memory; unfinished requests compute their K/V again after
+        ``wake()``."""
+        self.pause()
+        if self._asleep:
+            return
+        self._forget_kv()
+        if self.proposer is not None:
+            self.proposer.release_cache()
+        del self.cache, self.swap_space, self.batch_builder, self.state_cache
+        trim_heap()  # the packed weights' memory back to the OS, not kept for reuse
+        self._asleep = True
+
+    def wake(self) -> None:
+        """The KV cache back and generating again, after ``sleep()`` (as ``resume()``)."""
+        self.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        """Between ``pause()`` (or ``sleep()``) and ``resume()`` (or ``wake()``)."""
+        return self._paused
+
+    def _forget_kv(self) -> None:
+        """Every K/V computed so far is stale: requests compute theirs again, the prefix
+        cache and a draft's cache start empty."""
+        self.scheduler.recompute_all()
+        self.scheduler.kv.reset_prefix_cache()
+        if self.proposer is not None:
+            self.proposer.reset()
+
+    def _rebuild_executor(self) -> None:
+        """A new executor from the model's current weights (the old one closed)."""
+        self.runner.close()
+        self.runner = Executor(
+            self.model,
+            use_native_kernels=self.config.use_native_kernels,
+            prepack_linear=self.config.prepack_linear,
+        )
+        self.kernels = self.runner.kernels
+        if not self._asleep:
+            self.batch_builder.attention = self.runner.attention
+        self.sampler = self._make_sampler()
+        if self.proposer is not None:
+            self.proposer.resume()
+
+    def _allocate_memory(self) -> None:
+        """The KV cache (and the swap space, the batch builder that reads the cache, and a
+        draft model's cache), ``plan.num_blocks`` blocks: at build and after ``sleep()``."""
+        config = self.config
+        self.cache = PagedKVCache(
+            self.plan.layers,
+            self.plan.num_blocks,
+            config.block_size,
+            self.runner.device,
+            self.plan.groups,
+        )
+        self.state_cache = (
+            StateCache(
+                self.plan.state_specs,
+                config.max_num_seqs + self.plan.num_checkpoints,
+                self.runner.device,
+            )
+            if self.plan.state_specs
+            else None
+        )
+        self.swap_space: SwapSpace | None = None
+        if config.preemption_mode == "swap" and self.plan.state_specs:
+            logger.info("cbgen: preemption recomputes: swap does not hold the state layers' slots")
+        elif config.preemption_mode == "swap":
+            swap_blocks = SwapSpace.blocks_for_budget(self.cache, config.swap_space)
+            if swap_blocks > 0:
+                self.swap_space = SwapSpace(self.cache, swap_blocks)
+        self.batch_builder = BatchBuilder(
+            self.cache,
+            self.runner.probe.layer_of_module,
+            self.runner.attention,
+            self.plan.groups,
+            self.state_cache,
+        )
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.allocate_cache(self.plan.num_blocks, config.block_size)
+
+    def _make_sampler(self) -> Sampler:
+        eos = model_eos_ids(self.model)
+        return Sampler(argmax=self.runner.greedy.argmax, processors=default_processors(eos))
