@@ -11,7 +11,7 @@ applying a bitmask to [64, 49152] float32 logits (xgrammar's CPU kernel; for
 llguidance, whose own helper is a ``torch.compile`` kernel, cbgen's
 ``apply_bitmask``). Times are medians; the machine's load shows in them,
 so compare the two columns of one run, not runs on different days. The last
-block times cbgen.sampling.structured itself (template matchers, checked accepts, its
+block times cbgen.sampling.grammar itself (template matchers, checked accepts, its
 ``apply_bitmask``).
 
 xgrammar is not a cbgen dependency; to compare, install it without its
@@ -180,7 +180,7 @@ class LLGuidance:
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         # llguidance.torch's own helper is a torch.compile kernel (a C++ toolchain on CPU);
         # what cbgen would run with it is its own table unpack.
-        from cbgen.sampling.structured import apply_bitmask
+        from cbgen.sampling.grammar import apply_bitmask
 
         apply_bitmask(logits, bitmask)
 
@@ -294,20 +294,16 @@ def main() -> None:
 
 
 def module_bench(tok, vocab_size: int, rows: int, repeat: int) -> dict[str, float]:
-    """What cbgen.sampling.structured adds on top of the library: template copies, checked accepts."""
-    from cbgen.sampling.structured import (
-        GrammarCompiler,
-        StructuredOutput,
-        allocate_bitmask,
-        apply_bitmask,
-    )
+    """What cbgen.sampling.grammar adds on top of the library: template copies, checked accepts."""
+    from cbgen.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+    from cbgen.sampling.structured import StructuredOutput
 
     out: dict[str, float] = {}
     import llguidance.hf  # noqa: F401  (as above: the import is not timed)
 
     start = time.perf_counter()
     compiler = GrammarCompiler(tok, vocab_size, cache_size=1)
-    out["cbgen.sampling.structured: GrammarCompiler (ms)"] = 1e3 * (time.perf_counter() - start)
+    out["cbgen.sampling.grammar: GrammarCompiler (ms)"] = 1e3 * (time.perf_counter() - start)
     spec, other = StructuredOutput(json_schema=SCHEMA), StructuredOutput(regex=REGEX)
 
     def misses() -> None:  # with cache_size=1, each evicts the other

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbgen.bench.workloads import chat_token_ids, load_tokenizer
@@ -100,11 +100,13 @@ values = st.recursive(
 )
 
 
+@settings(deadline=None)
 @given(values)
 def test_plain_leaves_python_values_as_they_are(value):
     assert plain(value) == value
 
 
+@settings(deadline=None)
 @given(st.lists(st.integers(-(2**40), 2**40), max_size=6))
 def test_plain_turns_numpy_into_python(ints):
     assert plain(np.array(ints, dtype=np.int64)) == ints

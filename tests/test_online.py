@@ -13,6 +13,7 @@ from conftest import hold_engine, random_prompts, reference_greedy
 
 from cbgen import EngineConfig, SamplingParams
 from cbgen.frontends.online import Engine, EngineClosedError, EngineOverloadedError
+from cbgen.frontends.online.loop import CLOSE
 
 NUM_BLOCKS = 96
 
@@ -45,6 +46,41 @@ def greedy(n, **kw):
 
 def long_params(n=400):
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+class Leash:
+    """A logits processor that lets its request generate ``limit`` tokens, then holds the
+    engine's loop thread inside the next step (which makes one token more) until the
+    test lets it go on: ``extend(k)`` allows k more tokens, ``release()`` all of them.
+    So a test cancels, closes or reads while the request surely still runs, however fast
+    or slow the machine (400 tokens cannot run out before the test acts). Each request
+    that shares it counts its own tokens past ``prompt_len``."""
+
+    def __init__(self, prompt_len, limit=1):
+        self.prompt_len, self.limit = prompt_len, limit
+        self.released = False
+        self.holding = threading.Condition()
+
+    def __call__(self, token_ids, logits):
+        with self.holding:
+            go_on = lambda: self.released or len(token_ids) - self.prompt_len < self.limit  # noqa: E731
+            if not self.holding.wait_for(go_on, 60):  # a failure guard, never a wait to run out:
+                self.released = True  # a test that never lets go does not hang the engine
+        return logits
+
+    def extend(self, tokens=1):
+        with self.holding:
+            self.limit += tokens
+            self.holding.notify_all()
+
+    def release(self):
+        with self.holding:
+            self.released = True
+            self.holding.notify_all()
+
+
+def leashed_params(leash, n=400):
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, logits_processors=[leash])
 
 
 def joined(deltas):
@@ -147,15 +183,23 @@ def test_get_result_by_id_any_and_timeouts(llama):
             engine.get_result(timeout=0.02)
         with pytest.raises(KeyError):
             engine.get_result("nope", timeout=0.02)
-        long_id = engine.add_request([5, 6, 7], long_params(), request_id="long")
-        with hold_engine(engine), pytest.raises(TimeoutError):  # it cannot finish meanwhile
-            engine.get_result(long_id, timeout=0.01)
-        short = {engine.add_request([9, 9, i + 3], greedy(4)) for i in range(3)}
-        got = {engine.get_result(timeout=30).request_id for _ in short}
-        assert got == short  # the long request is still running, so it is not among them
-        with pytest.raises(KeyError):
-            engine.get_result(next(iter(short)))  # already collected
-        assert engine.cancel(long_id)
+        # The leash holds the loop once the long request has a token: it cannot finish.
+        leash = Leash(prompt_len=3)
+        long_id = engine.add_request([5, 6, 7], leashed_params(leash), request_id="long")
+        try:
+            with pytest.raises(TimeoutError):
+                engine.get_result(long_id, timeout=0.01)
+            # Queued behind the held step; 20 more tokens of the long one are far more
+            # steps than the short ones take, so they finish while it still runs.
+            short = {engine.add_request([9, 9, i + 3], greedy(4)) for i in range(3)}
+            leash.extend(20)
+            got = {engine.get_result(timeout=30).request_id for _ in short}
+            assert got == short  # the long request is still running, so it is not among them
+            with pytest.raises(KeyError):
+                engine.get_result(next(iter(short)))  # already collected
+            assert engine.cancel(long_id)
+        finally:
+            leash.release()
         out = engine.get_result(long_id, timeout=30)
         assert out.finish_reason == "aborted" and 0 < len(out.token_ids) < 400
         assert not engine.cancel(long_id)
@@ -164,15 +208,20 @@ def test_get_result_by_id_any_and_timeouts(llama):
 
 def test_cancel_waiting_and_running(llama):
     with make_engine(llama, max_num_seqs=1) as engine:
-        running = engine.add_request([5, 6, 7], long_params())
+        leash = Leash(prompt_len=3)  # the running request cannot finish before its cancel
+        running = engine.add_request([5, 6, 7], leashed_params(leash))
         waiting = engine.add_request([8, 9], long_params())
-        stream = engine.stream(running)
-        first = next(stream)
-        assert first.new_token_ids and not first.finished
-        assert engine.cancel(waiting)
-        out = engine.get_result(waiting, timeout=30)
-        assert out.finish_reason == "aborted" and out.token_ids == []
-        assert engine.cancel(running)
+        try:
+            stream = engine.stream(running)
+            first = next(stream)
+            assert first.new_token_ids and not first.finished
+            assert engine.cancel(waiting)
+            leash.extend(1)  # one step more: the cancel is applied after it
+            out = engine.get_result(waiting, timeout=30)
+            assert out.finish_reason == "aborted" and out.token_ids == []
+            assert engine.cancel(running)
+        finally:
+            leash.release()
         rest = list(stream)
         assert rest[-1].finished and rest[-1].finish_reason == "aborted"
         assert joined([first, *rest]) == rest[-1].token_ids
@@ -203,10 +252,14 @@ def test_invalid_requests_raise_at_once(llama):
             engine.add_request([])
         with pytest.raises(ValueError, match="tokenizer"):
             engine.add_request([5, 6], stop=["x"])
-        rid = engine.add_request([5, 6], long_params(), request_id="dup")
-        with pytest.raises(ValueError, match="already in use"):
-            engine.add_request([5, 6], request_id="dup")
-        engine.cancel(rid)
+        leash = Leash(prompt_len=2)  # "dup" is still running when it is cancelled
+        rid = engine.add_request([5, 6], leashed_params(leash), request_id="dup")
+        try:
+            with pytest.raises(ValueError, match="already in use"):
+                engine.add_request([5, 6], request_id="dup")
+            engine.cancel(rid)
+        finally:
+            leash.release()
         assert engine.get_result(rid, timeout=30).finish_reason == "aborted"
         assert engine.get_result(engine.add_request([5, 6], greedy(3)), timeout=30).finished
         assert_no_leak(engine)
@@ -296,9 +349,20 @@ def test_forward_failure_fails_its_requests_and_the_engine_goes_on(llama, async_
 
 def test_close_aborts_and_wakes_every_waiter(llama):
     engine = make_engine(llama).start()
-    by_id = engine.add_request([5, 6, 7], long_params())
-    streamed = engine.add_request([5, 6, 8], long_params())
-    unclaimed = engine.add_request([5, 6, 9], long_params())
+    # The loop is held once a request has a token, until close() has posted its command:
+    # nothing can finish before the close, however fast the machine.
+    leash = Leash(prompt_len=3)
+    loop_post = engine._loop.post
+
+    def post(kind, arg):
+        loop_post(kind, arg)
+        if kind == CLOSE:
+            leash.release()
+
+    engine._loop.post = post
+    by_id = engine.add_request([5, 6, 7], leashed_params(leash))
+    streamed = engine.add_request([5, 6, 8], leashed_params(leash))
+    unclaimed = engine.add_request([5, 6, 9], leashed_params(leash))
     results = {}
     started = threading.Barrier(4)
 
@@ -424,15 +488,19 @@ def test_asyncio_streaming_and_results(llama):
         assert (await engine.get_result_async(timeout=30)).request_id == rid
         with pytest.raises(TimeoutError):
             await engine.get_result_async(timeout=0.02)
-        slow = engine.add_request(prompts[2], long_params())
-        with hold_engine(engine), pytest.raises(TimeoutError):  # it cannot finish meanwhile
-            await engine.get_result_async(slow, timeout=0.01)
-        # Leaving an async stream early cancels the request.
-        async for delta in engine.stream_async(slow):
-            assert not delta.finished
-            break
-        gc.collect()
-        engine.cancel(slow)  # no-op if the abandoned stream already did it
+        leash = Leash(prompt_len=len(prompts[2]))  # held after a token: it cannot finish
+        slow = engine.add_request(prompts[2], leashed_params(leash))
+        try:
+            with pytest.raises(TimeoutError):  # it cannot finish meanwhile
+                await engine.get_result_async(slow, timeout=0.01)
+            # Leaving an async stream early cancels the request.
+            async for delta in engine.stream_async(slow):
+                assert not delta.finished
+                break
+            gc.collect()
+            engine.cancel(slow)  # no-op if the abandoned stream already did it
+        finally:
+            leash.release()
 
     with make_engine(llama) as engine:
         asyncio.run(main(engine))

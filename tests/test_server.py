@@ -446,18 +446,45 @@ def long_body(stream):
     }
 
 
+@contextlib.contextmanager
+def hold_once_generating(engine, tokens):
+    """Hold the online engine's loop before its next step, once a step has brought some
+    request to ``tokens`` tokens, until the block ends (what that step made is published
+    first). A seam of the test's own: the core's ``step`` wrapped on the instance."""
+    core = engine.core
+    reached, release = threading.Event(), threading.Event()
+
+    def step():
+        if reached.is_set():
+            assert release.wait(60), "the test never let the engine go on"
+        outputs = type(core).step(core)
+        if any(len(out.token_ids) >= tokens for out in outputs):
+            reached.set()
+        return outputs
+
+    core.step = step
+    try:
+        yield reached
+    finally:
+        release.set()
+        del core.step
+
+
 def test_disconnect_mid_stream_frees_blocks(server):
     engine = server.engine
     wait_idle(engine)
     before = metric(server.http.get("/metrics").text, "cbgen_client_disconnects_total")
     with httpx.Client(base_url=server.base, headers=server.auth, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=long_body(True)) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            for _ in range(6):  # a few events in: the request holds blocks
-                next(lines)
-            assert engine.core.allocator.num_free < engine.core.allocator.num_blocks
-        # leaving the blocks closes the connection mid-stream
+        # The loop is held once the stream has a few tokens: it cannot finish before the
+        # client leaves, however fast the machine (400 tokens used to be the margin).
+        with hold_once_generating(engine, tokens=4):
+            with http.stream("POST", "/v1/completions", json=long_body(True)) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                while not next(lines).startswith("data: "):  # an event in: it holds blocks
+                    pass
+                assert engine.core.allocator.num_free < engine.core.allocator.num_blocks
+            # leaving the blocks closes the connection mid-stream
     wait_idle(engine)
     after = metric(server.http.get("/metrics").text, "cbgen_client_disconnects_total")
     assert after == before + 1
@@ -672,7 +699,9 @@ def spare_engine(server):
 
 def test_sigterm_drains_then_ends_streams(server, spare_engine):
     engine = spare_engine
-    with own_server(engine, server.tokenizer, drain_timeout=0.2) as srv:
+    # The drain's time cannot run out by itself here (the test ends it with end_drain),
+    # so /health is asked while it surely still runs, however slow the machine is.
+    with own_server(engine, server.tokenizer, drain_timeout=3600) as srv:
         base = srv.base
         with httpx.Client(base_url=base, timeout=60) as http:
             assert http.get("/health").json()["status"] == "ok"
@@ -686,6 +715,7 @@ def test_sigterm_drains_then_ends_streams(server, spare_engine):
                     until(lambda: srv.app_server.draining, "no drain")
                     with httpx.Client(base_url=base, timeout=60) as other:
                         assert other.get("/health").json()["status"] == "draining"
+                    srv.uv.end_drain()  # as if drain_timeout had passed: streams end
                     events = [line for line in resp.iter_lines() if line]
             assert events[-1] == "data: [DONE]"
             assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]

@@ -9,6 +9,7 @@ are not, which exercises acceptance and rollback both.
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import (
     ARCHITECTURES,
     SPECULATION_MIXES,
@@ -17,7 +18,7 @@ from conftest import (
     reference_greedy,
     run_until_done,
 )
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbgen import EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
@@ -168,7 +169,84 @@ def test_logprobs_are_the_same_with_speculation():
                 assert x[token] == pytest.approx(y[token], abs=1e-4)
 
 
-@pytest.mark.slow  # 400 seeded requests twice: ~12 s on 2 cores
+DIST_VOCAB = 8
+DIST_PROMPT = [3, 4, 5, 3, 4, 6, 3, 4]
+
+
+def _distribution_model(seed=0):
+    """A model of 8 tokens, where single-token lookup (or a draft model of other random
+    weights) proposes often and is often wrong."""
+    return make_tiny_model(
+        "llama", seed=seed, vocab_size=DIST_VOCAB, pad_token_id=0, bos_token_id=1
+    )
+
+
+def _target_joint(model, prompt):
+    """The target's exact probabilities of its first three sampled tokens at temperature 1,
+    ``[t1, t2, t3]``: one forward over every two-token continuation of ``prompt``."""
+    v = DIST_VOCAB
+    seqs = torch.tensor([[*prompt, a, b] for a in range(v) for b in range(v)])
+    with torch.inference_mode():
+        p = torch.softmax(model(seqs).logits[:, -3:].double(), dim=-1)
+    first, second, third = p[0, 0], p[::v, 1], p[:, 2].reshape(v, v, v)
+    return first[:, None, None] * second[:, :, None] * third
+
+
+def _fit_pvalue(counts, probs, min_expected=5.0):
+    """Chi-square goodness of fit of ``counts`` to ``probs``; the cells expected fewer
+    than ``min_expected`` times are pooled into one (the test's approximation needs it)."""
+    chisquare = pytest.importorskip("scipy.stats").chisquare
+    n = sum(counts)
+    kept = [i for i, q in enumerate(probs) if q * n >= min_expected]
+    pooled = [i for i in range(len(probs)) if i not in kept]
+    observed = [counts[i] for i in kept] + ([sum(counts[i] for i in pooled)] if pooled else [])
+    expected = [probs[i] * n for i in kept] + (
+        [sum(probs[i] for i in pooled) * n] if pooled else []
+    )
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sampled_tokens_follow_the_target_distribution(proposer):
+    """The fast form of the check below, in the default suite (about a second): 2,000
+    seeded requests (fixed seeds: the same draws every run) with speculation only, their
+    third token and their (second, third) pair against the target's exact distribution,
+    chi-square goodness of fit at 0.01%. A biased acceptance fails it: keeping every
+    draft, or just the first, whatever the target sampled (the third token's test, either
+    proposer), or the rows of one request drawing one random number together (the
+    pair's test, p < 1e-7)."""
+    model = _distribution_model()
+    joint = _target_joint(model, DIST_PROMPT)
+    samples = 2000
+    if proposer == "draft":
+        spec = SpeculativeConfig(
+            method="draft",
+            num_tokens=2,
+            draft_model=_distribution_model(seed=5),
+            disable_batch_size=None,
+            adaptive=False,
+        )
+    else:
+        spec = SpeculativeConfig(num_tokens=2, disable_batch_size=None, adaptive=False)
+    config = EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=256, speculative=spec)
+    third, pairs = [0] * DIST_VOCAB, [0] * DIST_VOCAB**2
+    with EngineCore(model, config) as engine:
+        if proposer == "ngram":
+            engine.proposer = NgramProposer(2, min_ngram=1, max_ngram=2, adaptive=False)
+        for seed in range(samples):
+            params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
+            engine.add_request(DIST_PROMPT, params, str(seed))
+        for out in run_until_done(engine).values():
+            _, t2, t3 = out.token_ids
+            third[t3] += 1
+            pairs[t2 * DIST_VOCAB + t3] += 1
+        stats = dict(engine.stats)
+    assert stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"] > 0, stats
+    assert _fit_pvalue(third, joint.sum(dim=(0, 1)).tolist()) > 1e-4, third
+    assert _fit_pvalue(pairs, joint.sum(dim=0).flatten().tolist()) > 1e-4, pairs
+
+
+@pytest.mark.slow  # the thorough form: against plain decoding's own samples
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_sampling_keeps_the_target_distribution(proposer):
     """A proposal is kept only where it equals the token the target samples there, so the
@@ -268,6 +346,7 @@ def test_draft_length_follows_the_kept_fraction():
     assert middling.draft_length(8, 0.05) == 8 >= middling.draft_length(8, 0.3) == 4
 
 
+@settings(deadline=None)  # a loaded machine is no failure
 @given(
     verifications=st.lists(
         st.tuples(st.integers(1, 6), st.integers(0, 6)).map(lambda t: (t[0], min(t[0], t[1]))),

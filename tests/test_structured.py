@@ -10,14 +10,14 @@ import jsonschema
 import pytest
 import torch
 
-from cbgen.sampling.structured import (
+from cbgen.sampling.grammar import (
     GrammarCompiler,
     GrammarMatcher,
-    StructuredOutput,
     allocate_bitmask,
     apply_bitmask,
     fill_bitmasks,
 )
+from cbgen.sampling.structured import StructuredOutput
 
 SCHEMA = {
     "type": "object",

@@ -191,3 +191,20 @@ def test_sample_seeds_wrap_into_the_seed_range(llama):
     params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=2**64 - 1, n=3)
     (out,) = cbgen.generate_batch(llama, [[5, 6, 7]], params)
     assert len(out.completions) == 3
+
+
+def test_generate_batch_on_an_open_engine_equals_a_fresh_one_and_keeps_it_open(llama):
+    prompts = random_prompts(3, 4, 12, seed=7)
+    params = SamplingParams(max_new_tokens=5)
+    fresh = cbgen.generate_batch(llama, prompts, params)
+    assert [o.token_ids for o in fresh] == [reference_greedy(llama, p, 5) for p in prompts]
+    with EngineCore(llama) as engine:
+        again = cbgen.generate_batch(engine, prompts, params)
+        assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
+        twice = cbgen.generate_batch(engine, prompts, params)  # still open, nothing left over
+        assert [o.token_ids for o in twice] == [o.token_ids for o in fresh]
+        with pytest.raises(ValueError, match="engine's own config and tokenizer"):
+            cbgen.generate_batch(engine, prompts, params, EngineConfig())
+        engine.add_request(prompts[0], params)
+        with pytest.raises(ValueError, match="no unfinished requests"):
+            cbgen.generate_batch(engine, prompts, params)

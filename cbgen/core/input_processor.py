@@ -16,8 +16,8 @@ import torch
 
 from ..requests.request import Request
 from ..requests.text import RequestText
+from ..sampling.grammar import GrammarCompiler
 from ..sampling.params import SamplingParams, sample_seed
-from ..sampling.structured import GrammarCompiler
 
 
 class InputProcessor:

@@ -14,10 +14,10 @@ import torch
 
 from ..requests.request import Request
 from ..requests.scheduler_output import ScheduledRequest
+from ..sampling.grammar import GrammarMatcher, allocate_bitmask, fill_bitmasks
 from ..sampling.logits import LogitsRows
 from ..sampling.logprobs import TokenLogprobs, target_logprobs
 from ..sampling.sampler import Sampler, SamplerOutput
-from ..sampling.structured import GrammarMatcher, allocate_bitmask, fill_bitmasks
 from .batch import StepBatch
 
 Bitmask = tuple[torch.Tensor, torch.Tensor]

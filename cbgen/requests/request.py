@@ -14,7 +14,7 @@ from .acceptance import DraftAcceptance
 from .text import RequestText
 
 if TYPE_CHECKING:
-    from ..sampling.structured import GrammarMatcher
+    from ..sampling.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):

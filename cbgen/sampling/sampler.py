@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import apply_bitmask
 from .logits import BatchLogitsProcessor, LogitsRows, apply_processors
 from .logprobs import TokenLogprobs, token_logprobs
 from .params import SamplingParams
-from .structured import apply_bitmask
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ class Sampler:
         """``histories`` (each row's token ids so far) feed the rows' per-request logits
         processors; ``state`` is what the batch processors read (needed when a row uses one);
         ``bitmask`` is the allowed tokens of the grammar rows and those rows' indices
-        (``cbgen.sampling.structured``), applied after every processor."""
+        (``cbgen.sampling.grammar``), applied after every processor."""
         if logits.shape[0] == 0:
             return SamplerOutput([])
         errors: dict[int, str] = {}

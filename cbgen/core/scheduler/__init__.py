@@ -1,8 +1,7 @@
 """Decide, each step, which requests run and how many tokens each gets (``base``), in the
 order a policy gives (``policies``). Blocks are the ``KVCacheManager``'s."""
 
-from ...cache.kv_cache_manager import BlockMove
-from ...requests.scheduler_output import ScheduledRequest, SchedulerOutput
+from ...requests.scheduler_output import BlockMove, ScheduledRequest, SchedulerOutput
 from .base import ADMIT, DECODE, PREFILL, Scheduler
 from .policies import POLICIES, FifoScheduler, PrefillFirstScheduler, make_scheduler
 

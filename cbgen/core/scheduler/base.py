@@ -34,33 +34,19 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from ...cache.allocator import BlockAllocator
 from ...cache.groups import CacheGroup
-from ...cache.kv_cache_manager import BlockMove, InFlightBlocks, KVCacheManager
+from ...cache.kv_cache_manager import KVCacheManager
 from ...requests.request import FinishReason, Request, RequestStatus
 from ...requests.scheduler_output import ScheduledRequest, SchedulerOutput
-
-
-@dataclass
-class _Step:
-    """Bookkeeping of the step being planned."""
-
-    budget: int
-    scheduled: set[int] = field(default_factory=set)  # id() of requests with a chunk
-    in_flight: InFlightBlocks = field(default_factory=InFlightBlocks)
-    chunks: list[tuple[Request, int, int]] = field(default_factory=list)  # request, start, count
-
-
-def _key(request: Request) -> tuple[int, int]:
-    return request.sort_key
-
+from .preemption import Preemption
+from .step_plan import StepPlan, request_key
 
 DECODE, PREFILL, ADMIT = "decode", "prefill", "admit"
 
 
-class Scheduler:
+class Scheduler(Preemption):
     """Continuous batching with chunked prefill, priorities and prefix caching.
 
     Every step spends a budget of ``max_batch_tokens`` over three phases, in the
@@ -165,7 +151,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        insort(self.waiting, request, key=_key)
+        insort(self.waiting, request, key=request_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -204,7 +190,7 @@ class Scheduler:
             request.draft_token_ids = []
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
-            insort(self.waiting, request, key=_key)
+            insort(self.waiting, request, key=request_key)
         self.kv.free_swapped_in()
 
     def _discard_rejected(self, request: Request, leaving: bool = False) -> None:
@@ -243,8 +229,8 @@ class Scheduler:
             for request in self.running:
                 kv.drop_out_of_window(request)
         by_priority = self._make_room_for_priority(out)
-        step = _Step(self.max_batch_tokens)
-        running = sorted(self.running, key=_key)
+        step = StepPlan(self.max_batch_tokens)
+        running = sorted(self.running, key=request_key)
         # A request whose pending token is its last (async scheduling) is not run again.
         decoding = [
             r
@@ -284,7 +270,7 @@ class Scheduler:
             return count
         while self.waiting and self.running:
             head = self.waiting[0]
-            victim = max(self.running, key=_key)
+            victim = max(self.running, key=request_key)
             if victim.params.priority <= head.params.priority:
                 break
             needed = self.kv.blocks_for_first_chunk(min(head.num_tokens, self.max_batch_tokens))
@@ -298,7 +284,9 @@ class Scheduler:
             count += 1
         return count
 
-    def _schedule_running(self, requests: list[Request], step: _Step, out: SchedulerOutput) -> None:
+    def _schedule_running(
+        self, requests: list[Request], step: StepPlan, out: SchedulerOutput
+    ) -> None:
         for request in requests:
             if step.budget == 0:
                 break
@@ -321,7 +309,7 @@ class Scheduler:
             left = min(left, self.max_model_len - request.num_tokens - 1)
         return max(0, min(len(request.draft_token_ids), room, left))
 
-    def _admit(self, step: _Step, out: SchedulerOutput, reserve: int) -> None:
+    def _admit(self, step: StepPlan, out: SchedulerOutput, reserve: int) -> None:
         """Start waiting requests; ``reserve`` blocks stay free for this step's decodes."""
         kv = self.kv
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
@@ -349,13 +337,13 @@ class Scheduler:
             self._add_chunk(request, num_tokens, step, out)
 
     def _add_chunk(
-        self, request: Request, num_tokens: int, step: _Step, out: SchedulerOutput
+        self, request: Request, num_tokens: int, step: StepPlan, out: SchedulerOutput
     ) -> None:
         step.chunks.append((request, request.num_computed_tokens, num_tokens))
         step.scheduled.add(id(request))
         step.budget -= num_tokens
 
-    def _emit(self, step: _Step, out: SchedulerOutput) -> None:
+    def _emit(self, step: StepPlan, out: SchedulerOutput) -> None:
         """Write the step's chunks into ``out`` as values and count their tokens as
         computed (the K/V is written by the time anything reads it: steps run in order)."""
         kv = self.kv
@@ -377,81 +365,3 @@ class Scheduler:
                 )
             )
             request.num_computed_tokens = start + count
-
-    # -- swap -------------------------------------------------------------------------
-
-    def _resume(self, step: _Step, out: SchedulerOutput, reserve: int) -> None:
-        """Bring swapped requests back (queue order) while their blocks fit."""
-        while self.swapped and step.budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.swapped[0]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            if self.kv.swap_in_cost(request, num_tokens) + reserve > self.kv.num_free:
-                break
-            self.swapped.pop(0)
-            out.swap_in.append(self.kv.swap_in(request, num_tokens))
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._add_chunk(request, num_tokens, step, out)
-            self.stats["swapped_in"] += 1
-
-    def swap_failed(self, move: BlockMove, out: SchedulerOutput) -> None:
-        """A copy of ``move`` failed: its request is recomputed instead, leaking nothing.
-
-        Called before the step runs. The request leaves this step (its chunk is
-        dropped), gives back every device and host block it holds and waits to be
-        prefilled again from its tokens.
-        """
-        self.stats["swap_failures"] += 1
-        request = next(
-            (r for r in self.running + self.swapped if r.request_id == move.request_id), None
-        )
-        if request is None:
-            return  # already finished or requeued: nothing of it is left
-        out.drop({request.request_id})
-        if request.status is RequestStatus.RUNNING:  # a failed swap-in
-            self.running.remove(request)
-        else:  # a failed swap-out
-            self.swapped.remove(request)
-            self.kv.release_host(request)
-        request.num_computed_tokens = 0  # nothing it holds is valid K/V any more
-        self.kv.free(request)
-        request.status = RequestStatus.WAITING
-        insort(self.waiting, request, key=_key)
-
-    # -- helpers ----------------------------------------------------------------------
-
-    def _reserve_or_preempt(
-        self, request: Request, num_tokens: int, step: _Step, out: SchedulerOutput
-    ) -> bool:
-        """Give ``request`` the blocks it needs, preempting lower-ranked requests if needed.
-
-        Returns False when ``request`` itself had to be preempted.
-        """
-        needed = self.kv.blocks_needed(request, num_tokens)
-        while needed > self.kv.num_free:
-            victim = max(
-                (r for r in self.running if id(r) not in step.scheduled), key=_key
-            )  # ``request`` is a candidate itself, so this is never empty
-            self._preempt(victim, out)
-            if victim is request:
-                return False
-        self.kv.allocate_slots(request, num_tokens)
-        return True
-
-    def _preempt(self, request: Request, out: SchedulerOutput, allow_swap: bool = True) -> None:
-        self.running.remove(request)
-        self._discard_rejected(request, leaving=True)
-        move = self.kv.swap_out(request) if allow_swap else None
-        self.kv.free(request)
-        request.num_preemptions += 1
-        if move is not None:  # keeps num_computed_tokens: its K/V comes back with it
-            out.swap_out.append(move)
-            self.stats["swapped_out"] += 1
-            request.status = RequestStatus.SWAPPED
-            insort(self.swapped, request, key=_key)
-        else:
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            insort(self.waiting, request, key=_key)
-        out.preempted.append(request.request_id)
-        self.stats["preemptions"] += 1

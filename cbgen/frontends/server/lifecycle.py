@@ -59,6 +59,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
+        self._drain_cut = False  # end_drain(): the drain is over before drain_timeout
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -73,6 +74,12 @@ class DrainingServer(uvicorn.Server):
             return
         super().handle_exit(sig, frame)
 
+    def end_drain(self) -> None:
+        """End the drain now, as if ``drain_timeout`` had passed: open streams end with
+        their final error event and the server exits. Any thread may call it; a drain
+        that has not begun yet ends as soon as it begins."""
+        self._drain_cut = True
+
     def _begin_drain(self) -> None:
         if self._drain is not None:
             return
@@ -85,7 +92,7 @@ class DrainingServer(uvicorn.Server):
         app_server = self.app_server
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout
-        while app_server.jobs and loop.time() < deadline:
+        while app_server.jobs and loop.time() < deadline and not self._drain_cut:
             await asyncio.sleep(0.05)
         if app_server.jobs:
             logger.warning(
