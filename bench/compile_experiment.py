@@ -164,7 +164,7 @@ def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "step_ms": statistics.median(times) * 1e3,
             "step_ms_all": [round(t * 1e3, 2) for t in times],
             "prefill_s": prefill_s,
-            "fast_forward": engine.runner.fast_forward is not None,
+            "fast_forward": engine.executor.runner.fast_forward is not None,
         }
         engine.close()
     return result

@@ -57,7 +57,7 @@ def _run(
     results: dict[str, list[int]] = {}
     with EngineCore(model, config) as engine:
         if describe:
-            print("  " + engine.runner.describe().replace("\n", "\n  "))
+            print("  " + engine.executor.runner.describe().replace("\n", "\n  "))
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_new_tokens=max_new), str(i))
         while engine.has_unfinished():

@@ -146,12 +146,12 @@ def main() -> None:
     model = build_model(args.arch)
     params = sum(p.numel() for p in model.parameters())
     with EngineCore(model, EngineConfig(max_num_seqs=64)) as engine:
-        kv_bytes = engine.cache.bytes_per_block // engine.config.block_size
+        kv_bytes = engine.executor.cache.bytes_per_block // engine.config.block_size
         state_bytes = state_bytes_per_request(engine.state_specs)
         state_layers = len(engine.state_specs)
     print(
         f"{args.arch}: {params / 1e6:.0f}M parameters, float32, {args.threads} threads; "
-        f"KV {kv_bytes} bytes/token ({len(engine.cache.layers)} attention layers), "
+        f"KV {kv_bytes} bytes/token ({len(engine.executor.cache.layers)} attention layers), "
         f"state {state_bytes} bytes/request ({state_layers} state layers)"
     )
     if args.samples:

@@ -52,7 +52,7 @@ def prefilled_engine(model: torch.nn.Module, seqs: int, ctx: int) -> EngineCore:
 
 def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
     """Setters that switch the engine to each variant."""
-    runner, builder, model = engine.runner, engine.batch_builder, engine.model
+    runner, builder, model = engine.executor.runner, engine.executor.batch_builder, engine.model
     kernel = decode_kernel()
     native = NativeCpuAttention(NativeKernels())
     assert native.supports(model, torch.float32, torch.device("cpu")) is None

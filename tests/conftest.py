@@ -263,7 +263,7 @@ def fast_path_steps(model, prompts, max_new_tokens: int = 6) -> list[tuple]:
     config = cbgen.EngineConfig(max_batch_tokens=24, block_size=4)
     steps: list[tuple] = []
     with cbgen.EngineCore(model, config) as engine:
-        runner = engine.runner
+        runner = engine.executor.runner
         fast = runner.fast_forward
         assert fast is not None, runner.describe()
 

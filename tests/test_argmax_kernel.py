@@ -67,7 +67,7 @@ def test_rejects_what_it_cannot_rank():
 @needs_kernel
 def test_the_engine_samples_greedy_rows_with_it(llama):
     with EngineCore(llama, EngineConfig()) as engine:
-        assert engine.sampler._argmax is kernel.argmax_rows
+        assert engine.executor.sampler._argmax is kernel.argmax_rows
     calls = []
 
     def counting(logits: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ def test_a_bfloat16_engine_samples_float32_logits_with_it(llama):
     the model's dtype (the kernel would raise on others)."""
     model = make_tiny_model("llama").to(torch.bfloat16)
     with EngineCore(model, EngineConfig(num_blocks=64)) as engine:
-        assert engine.sampler._argmax is kernel.argmax_rows
+        assert engine.executor.sampler._argmax is kernel.argmax_rows
         engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True), "a")
         outputs = run_until_done(engine)
     assert len(outputs["a"].token_ids) == 4 and outputs["a"].finish_reason == FinishReason.LENGTH

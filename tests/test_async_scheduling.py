@@ -101,7 +101,7 @@ def test_failed_swap_in_under_async_leaks_nothing(llama):
         async_scheduling=True,
     )
     with EngineCore(llama, config) as engine:
-        original = engine.swap_space.copy_in
+        original = engine.executor.swap_space.copy_in
         calls = []
 
         def flaky(src, dst):
@@ -110,7 +110,7 @@ def test_failed_swap_in_under_async_leaks_nothing(llama):
                 raise RuntimeError("injected: host-to-device copy failed")
             return original(src, dst)
 
-        engine.swap_space.copy_in = flaky
+        engine.executor.swap_space.copy_in = flaky
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=30), request_id=str(i))
         results = {rid: out.token_ids for rid, out in run_until_done(engine).items()}
@@ -162,7 +162,7 @@ def test_forward_runs_on_the_worker_and_failures_surface(llama):
     config = dataclasses.replace(BASE, async_scheduling=True)
     with EngineCore(llama, config) as engine:
         threads = set()
-        execute = engine.runner.execute
+        execute = engine.executor.runner.execute
 
         def recording(batch):
             threads.add(threading.current_thread().name)
@@ -170,7 +170,7 @@ def test_forward_runs_on_the_worker_and_failures_surface(llama):
                 raise RuntimeError("injected forward failure")
             return execute(batch)
 
-        engine.runner.execute = recording
+        engine.executor.runner.execute = recording
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=20), request_id=str(i))
         with pytest.raises(RuntimeError, match="injected forward failure"):

@@ -16,7 +16,7 @@ def test_bfloat16_model_runs_with_a_bfloat16_cache():
     with cbgen.EngineCore(
         model, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=32)
     ) as eng:
-        assert all(layer.dtype == torch.bfloat16 for layer in eng.cache.layers)
+        assert all(layer.dtype == torch.bfloat16 for layer in eng.executor.cache.layers)
         for i, p in enumerate(prompts):
             eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True), str(i))
         done = {}

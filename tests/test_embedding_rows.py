@@ -79,7 +79,7 @@ def test_the_bundled_model_embeds_from_its_file_with_the_same_outputs(smollm2):
     params = SamplingParams(max_new_tokens=8)
     engine = EngineCore(model, EngineConfig())
     try:
-        fast = engine.runner.fast_forward
+        fast = engine.executor.runner.fast_forward
         assert fast is not None and isinstance(fast._embed, FileRows)
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, request_id=str(i))

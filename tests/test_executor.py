@@ -142,9 +142,9 @@ def test_the_engine_reports_its_backends(caplog, monkeypatch):
         caplog.at_level(logging.INFO, logger="cbgen"),
         EngineCore(make_tiny_model("llama")) as engine,
     ):
-        chosen = {role: s.backend.name for role, s in engine.runner.selections.items()}
-        assert engine.batch_builder.attention is engine.runner.attention
-        assert engine.sampler._argmax is engine.runner.greedy.argmax
+        chosen = {role: s.backend.name for role, s in engine.executor.runner.selections.items()}
+        assert engine.executor.batch_builder.attention is engine.executor.runner.attention
+        assert engine.executor.sampler._argmax is engine.executor.runner.greedy.argmax
     assert chosen == {
         "attention": "native-cpu-paged",
         "linear": "onednn-fp32-prepacked",
@@ -158,13 +158,13 @@ def test_the_engine_reports_its_backends(caplog, monkeypatch):
 def test_switched_off_kernels_fall_back_with_reasons():
     config = EngineConfig(use_native_kernels=False, prepack_linear=False, num_blocks=64)
     with EngineCore(make_tiny_model("gemma3"), config) as engine:
-        report = engine.runner.describe().splitlines()
-        selections = engine.runner.selections
+        report = engine.executor.runner.describe().splitlines()
+        selections = engine.executor.runner.selections
         assert selections["attention"].backend.name == "torch-reference"
         assert selections["linear"].backend.name == "torch-linear"
         assert selections["layer_ops"].backend is None
         assert selections["model"].backend.name == "hf-modules"
-        assert engine.kernels is None
+        assert engine.executor.kernels is None
         engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=3, ignore_eos=True), "a")
         assert len(run_until_done(engine)["a"].token_ids) == 3
     assert report[0] == (
@@ -185,7 +185,7 @@ def test_a_registered_candidate_is_asked_first():
     try:
         assert registry.candidates("attention")[0] is factory
         with EngineCore(make_tiny_model("llama"), EngineConfig(num_blocks=64)) as engine:
-            assert engine.runner.attention.name == "first-in-line"
+            assert engine.executor.runner.attention.name == "first-in-line"
     finally:
         registry.unregister("attention", factory)
     with pytest.raises(ValueError, match="unknown backend role"):
@@ -264,7 +264,7 @@ def test_windowed_models_are_exact_with_the_kernel_in_mixed_steps(arch):
     config = EngineConfig(block_size=4, num_blocks=256, max_batch_tokens=24)
     kernel_steps = 0
     with EngineCore(model, config) as engine:
-        build = engine.batch_builder.build
+        build = engine.executor.batch_builder.build
 
         def counting(scheduled):
             nonlocal kernel_steps
@@ -272,7 +272,7 @@ def test_windowed_models_are_exact_with_the_kernel_in_mixed_steps(arch):
             kernel_steps += all(t.row_block_tables is not None for t in batch.attention.groups)
             return batch
 
-        engine.batch_builder.build = counting
+        engine.executor.batch_builder.build = counting
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=8), str(i))
         results = run_until_done(engine)

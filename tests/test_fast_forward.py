@@ -26,7 +26,7 @@ NOT_FAST = ["phi3", "gemma", "granite", "gpt2"]
 @pytest.mark.parametrize("arch", FAST + NOT_FAST)
 def test_taken_exactly_for_llama_family_layers(arch):
     with EngineCore(make_tiny_model(arch)) as engine:
-        assert (engine.runner.fast_forward is not None) == (arch in FAST)
+        assert (engine.executor.runner.fast_forward is not None) == (arch in FAST)
 
 
 @pytest.mark.parametrize("arch", FAST)
@@ -61,7 +61,9 @@ def test_outputs_equal_with_and_without_the_fast_path(monkeypatch):
                 engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
             results = run_until_done(engine)
             assert engine.stats["preemptions"] > 0
-            return [r.token_ids for r in results.values()], engine.runner.fast_forward is not None
+            return [
+                r.token_ids for r in results.values()
+            ], engine.executor.runner.fast_forward is not None
 
     fast_tokens, fast_on = run()
     monkeypatch.setenv(DISABLE_ENV, "1")
@@ -75,7 +77,7 @@ def test_a_forward_hook_keeps_the_model_forward(llama):
     handle = llama.model.layers[0].register_forward_hook(lambda *args: calls.append(1))
     try:
         with EngineCore(llama) as engine:
-            assert engine.runner.fast_forward is None
+            assert engine.executor.runner.fast_forward is None
             engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
             run_until_done(engine)
     finally:
@@ -85,6 +87,6 @@ def test_a_forward_hook_keeps_the_model_forward(llama):
 
 def test_close_drops_the_fast_path(llama):
     engine = EngineCore(llama)
-    assert engine.runner.fast_forward is not None
+    assert engine.executor.runner.fast_forward is not None
     engine.close()
-    assert engine.runner.fast_forward is None
+    assert engine.executor.runner.fast_forward is None

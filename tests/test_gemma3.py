@@ -66,7 +66,7 @@ def _run(model, prompts, max_new_tokens, config, window):
     results = {}
     with EngineCore(model, config) as engine:
         windowed = [g.index for g in engine.cache_groups if g.is_windowed]
-        build = engine.batch_builder.build
+        build = engine.executor.batch_builder.build
 
         def build_and_check(scheduled):  # the blocks held while the step runs
             nonlocal peak
@@ -80,7 +80,7 @@ def _run(model, prompts, max_new_tokens, config, window):
                     peak = max(peak, held)
             return build(scheduled)
 
-        engine.batch_builder.build = build_and_check
+        engine.executor.batch_builder.build = build_and_check
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), str(i))
         while engine.has_unfinished():
@@ -95,7 +95,7 @@ def _run(model, prompts, max_new_tokens, config, window):
 def test_gemma3_cache_groups_come_from_the_model(gemma3):
     model, _ = gemma3
     with EngineCore(model, EngineConfig(num_blocks=64)) as engine:
-        layers = engine.runner.probe.layers
+        layers = engine.executor.runner.probe.layers
         assert len(layers) == 18
         assert {(s.num_kv_heads, s.key_dim, s.value_dim) for s in layers} == {(1, 256, 256)}
         windows = [s.sliding_window for s in layers]
@@ -110,8 +110,8 @@ def test_gemma3_cache_groups_come_from_the_model(gemma3):
             (AttentionKind.SLIDING_WINDOW, 512, (14, 15, 16)),
         ]
         # Three physical K/V tensors shared by the six groups: 3 layers' K/V per block.
-        assert len(engine.cache.tensor_specs) == 3
-        assert engine.cache.bytes_per_block == 3 * 1 * (256 + 256) * 4 * 16
+        assert len(engine.executor.cache.tensor_specs) == 3
+        assert engine.executor.cache.bytes_per_block == 3 * 1 * (256 + 256) * 4 * 16
         assert not engine.prefix_caching
 
 

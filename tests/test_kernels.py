@@ -242,7 +242,7 @@ def test_prefill_rows_attend_through_the_kernel_exactly(monkeypatch, arch):
     with EngineCore(model, config) as engine:
         # (after the engine's probe forward, which attends through SDPA)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
-        build = engine.batch_builder.build
+        build = engine.executor.batch_builder.build
 
         def counting_build(scheduled):
             nonlocal steps_with_row_tables
@@ -255,7 +255,7 @@ def test_prefill_rows_attend_through_the_kernel_exactly(monkeypatch, arch):
                 assert torch.equal(group.row_context_lens, batch.position_ids[0] + 1)
             return batch
 
-        engine.batch_builder.build = counting_build
+        engine.executor.batch_builder.build = counting_build
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_new_tokens=6), str(i))
         outputs = {}

@@ -42,7 +42,7 @@ def test_float32_weights_with_a_bfloat16_cache(arch, native):
         )
         logits = []
         with EngineCore(model, config) as engine:
-            runner = engine.runner
+            runner = engine.executor.runner
             forward = runner._forward  # the path the executor chose
 
             def record(batch):
@@ -54,7 +54,7 @@ def test_float32_weights_with_a_bfloat16_cache(arch, native):
             for prompt in prompts:
                 engine.add_request(prompt, params)
             results = run_until_done(engine)
-            return engine.cache, logits, results
+            return engine.executor.cache, logits, results
 
     cache16, logits16, results16 = run(torch.bfloat16)
     cache32, logits32, results32 = run(None)

@@ -327,7 +327,7 @@ def test_forward_failure_fails_its_requests_and_the_engine_goes_on(llama, async_
     prompt = [5, 6, 7, 8]
     expected = reference_greedy(llama, prompt, 6)
     with make_engine(llama, async_scheduling=async_scheduling) as engine:
-        runner = engine.core.runner
+        runner = engine.core.executor.runner
         real_execute, calls = runner.execute, [0]
 
         def flaky_execute(batch):  # on the forward worker when async

@@ -185,7 +185,7 @@ def test_engine_greedy_matches_generate_with_prepack(monkeypatch):
     expected = [reference_greedy(model, p, 16) for p in prompts]
     config = EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64)
     with cbgen.EngineCore(model, config) as engine:
-        assert engine.runner.prepacked_linears > 0
+        assert engine.executor.runner.prepacked_linears > 0
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=16), request_id=str(i))
         results = {rid: out.token_ids for rid, out in run_until_done(engine).items()}

@@ -51,13 +51,13 @@ def _run(model, prompts, max_new_tokens, config, check=None):
     results = {}
     with EngineCore(model, config) as engine:
         if check is not None:
-            build = engine.batch_builder.build
+            build = engine.executor.batch_builder.build
 
             def build_and_check(scheduled):
                 check(engine, scheduled)
                 return build(scheduled)
 
-            engine.batch_builder.build = build_and_check
+            engine.executor.batch_builder.build = build_and_check
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), str(i))
         while engine.has_unfinished():

@@ -47,7 +47,7 @@ def _run(model, prompts, max_new_tokens, config, after_step=None):
         slots = engine.scheduler.kv.state_slots
         assert slots is not None and slots.num_free == config.max_num_seqs, "a slot leaked"
         stats = dict(engine.stats)
-        mixers = engine.runner.state_mixers
+        mixers = engine.executor.runner.state_mixers
         modules = list(mixers.modules) if mixers is not None else []
     assert all("forward" not in m.__dict__ for m in modules), "a state layer kept cbgen's forward"
     return [results[str(i)] for i in range(len(prompts)) if str(i) in results], stats
@@ -213,12 +213,12 @@ def test_state_layers_are_described_in_bytes(qwen3_next):
         assert [s.layer_idx for s in specs] == [0, 1, 2]  # layer 3 is full attention
         kinds = {t.kind for s in specs for t in s.tensors}
         assert kinds == {"conv", "recurrent"}
-        assert engine.state_cache is not None
+        assert engine.executor.state_cache is not None
         # One slot per max_num_seqs, and as many prefix-cache checkpoints.
-        assert engine.state_cache.tensors[0][0].shape[0] == 6
+        assert engine.executor.state_cache.tensors[0][0].shape[0] == 6
     config = EngineConfig(num_blocks=16, max_num_seqs=3, enable_prefix_caching=False)
     with EngineCore(qwen3_next, config) as engine:
-        assert engine.state_cache.tensors[0][0].shape[0] == 3
+        assert engine.executor.state_cache.tensors[0][0].shape[0] == 3
         assert "conv[0]" in specs[0].describe()
 
 
@@ -298,7 +298,7 @@ def test_bfloat16_state_models_are_accepted_with_the_same_chunk_decisions(arch):
 def test_the_state_slots_come_out_of_the_cache_budget_first(qwen3_next):
     with EngineCore(qwen3_next, EngineConfig(num_blocks=16, max_num_seqs=4)) as engine:
         per_request = state_bytes_per_request(engine.state_specs)
-        per_block = engine.cache.bytes_per_block
+        per_block = engine.executor.cache.bytes_per_block
     # Four running requests' slots and four checkpoints, then the blocks.
     budget = 8 * per_request + 10 * per_block
     with EngineCore(qwen3_next, EngineConfig(kv_cache_memory=budget, max_num_seqs=4)) as engine:

@@ -66,7 +66,7 @@ def test_swap_with_prefix_caching_and_shared_prefixes(llama, policy):
 def test_full_swap_space_falls_back_to_recompute(llama, expected):
     # Room for two blocks: most victims hold more, so they are recomputed instead.
     with EngineCore(llama, _config()) as probe:
-        block_bytes = probe.cache.bytes_per_block
+        block_bytes = probe.executor.cache.bytes_per_block
     with EngineCore(llama, _config(swap_space=2 * block_bytes)) as engine:
         assert engine.scheduler.host_allocator.num_blocks == 2
         assert _run(engine, PROMPTS) == expected
@@ -91,7 +91,7 @@ def test_windowed_model_swaps_only_its_window():
 
 def _corrupt_then_fail(engine: EngineCore, which: str, failures: list[str]):
     """Make the first ``which`` copy scribble over its destination, then raise."""
-    swap = engine.swap_space
+    swap = engine.executor.swap_space
     original = getattr(swap, which)
 
     def failing(src, dst):
@@ -99,7 +99,7 @@ def _corrupt_then_fail(engine: EngineCore, which: str, failures: list[str]):
             return original(src, dst)
         failures.append(which)
         if which == "copy_in":  # half-written device blocks must never be read
-            for tensor in engine.cache.block_tensors:
+            for tensor in engine.executor.cache.block_tensors:
                 tensor[:, list(dst)] = float("nan")
         raise RuntimeError("injected: host-to-device copy failed")
 
@@ -138,15 +138,15 @@ def test_aborting_a_swapped_request_frees_its_host_blocks(llama):
 def test_swap_copies_blocks_exactly():
     model = make_tiny_model("llama")
     with EngineCore(model, _config()) as engine:
-        swap = engine.swap_space
-        for tensor in engine.cache.block_tensors:
+        swap = engine.executor.swap_space
+        for tensor in engine.executor.cache.block_tensors:
             tensor.copy_(torch.randn_like(tensor))
-        before = [t.clone() for t in engine.cache.block_tensors]
+        before = [t.clone() for t in engine.executor.cache.block_tensors]
         swap.copy_out([3, 7], [0, 1])
-        for tensor in engine.cache.block_tensors:
+        for tensor in engine.executor.cache.block_tensors:
             tensor[:, [3, 7]] = 0
         swap.copy_in([1, 0], [5, 2])  # back into other blocks, order swapped
-        for old, new in zip(before, engine.cache.block_tensors, strict=True):
+        for old, new in zip(before, engine.executor.cache.block_tensors, strict=True):
             assert torch.equal(new[:, 5], old[:, 7]) and torch.equal(new[:, 2], old[:, 3])
 
 

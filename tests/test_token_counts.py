@@ -30,6 +30,7 @@ def test_a_request_given_1_plus_k_tokens_rolls_back_the_rejected_ones_exactly():
     live = {"a": request}
     out = scheduler.schedule()
     processor.resolve(processor.advance(out, live), [9])  # prompt done, token 9 sampled
+    scheduler.update_from_output([request])  # the step settles
     assert request.token_ids[-1] == 9 and request.num_computed_tokens == 6
 
     request.draft_token_ids = [10, 11, 12, 13]  # k = 4
@@ -42,6 +43,7 @@ def test_a_request_given_1_plus_k_tokens_rolls_back_the_rejected_ones_exactly():
     # The target samples 10, 11, then 20 where 12 was proposed: j = 2 drafts (12, 13)
     # are rejected, 10 and 11 accepted and 20 added after them.
     outputs, _ = processor.resolve(processor.advance(out, live), [10, 11, 20, 0, 0])
+    scheduler.update_from_output([request])  # the step settles
     assert outputs[0].new_token_ids == [10, 11, 20]
     assert request.token_ids == [3, 4, 5, 6, 7, 8, 9, 10, 11, 20]
 
@@ -57,9 +59,11 @@ def test_a_request_given_1_plus_k_tokens_rolls_back_the_rejected_ones_exactly():
 
     request.draft_token_ids = [30, 31, 32, 33, 34, 35]  # into a fourth block, all wrong
     processor.resolve(processor.advance(out, live), [21])
+    scheduler.update_from_output([request])  # the step settles
     out = scheduler.schedule()
     assert out.scheduled[0].num_tokens == 7 and allocator.num_free == 16 - 5  # 17 positions
     processor.resolve(processor.advance(out, live), [40, 0, 0, 0, 0, 0, 0])
+    scheduler.update_from_output([request])  # the step settles
     request.draft_token_ids = []
     out = scheduler.schedule()
     assert out.scheduled[0].start == 11  # 21 at position 10 was computed and kept

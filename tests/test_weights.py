@@ -175,13 +175,13 @@ def test_sleep_frees_the_cache_and_the_packed_weights_and_wake_brings_them_back(
         engine.step()
         engine.sleep()
         assert engine.is_paused and not hasattr(engine, "cache")
-        assert engine.runner.prepacked_linears == 0
+        assert engine.executor.runner.prepacked_linears == 0
         with pytest.raises(RuntimeError, match="paused"):
             engine.step()
         # The model is the caller's: its own attention, a loss that backpropagates.
         _train_step(model, prompts, lr=0.0)
         engine.wake()
-        assert engine.cache is not None and not engine.is_paused
+        assert engine.executor.cache is not None and not engine.is_paused
         results = run_until_done(engine)
         assert results["waiting"].token_ids == reference_greedy_off(engine, model, prompts[0], 30)
         assert _generate(engine, prompts) == first

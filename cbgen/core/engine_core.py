@@ -15,8 +15,8 @@ import torch
 from ..cache.allocator import BlockAllocator
 from ..executor.batch import StepBatch
 from ..executor.cpu.openmp import release_thread_team
-from ..executor.runner import Executor
-from ..executor.step_sampling import grammar_bitmask, sample_step
+from ..executor.model_executor import ModelExecutor
+from ..executor.step_sampling import grammar_bitmask
 from ..requests.detokenizer import make_decoder
 from ..requests.request import FinishReason, Request, RequestOutput, RequestStatus
 from ..sampling.params import SamplingParams
@@ -69,25 +69,26 @@ class EngineCore(Lifecycle):
         self.model = model
         # Before the target's executor changes its modules: a layer-skip draft copies them.
         draft_model = draft_model_for(self.config.speculative, model)
-        # The backends of every role are chosen here, once (``runner.describe()``).
-        self.runner = Executor(
+        # The runner's backends are chosen here, once (``engine.executor.runner.describe()``).
+        self.executor = ModelExecutor(
             model,
             use_native_kernels=self.config.use_native_kernels,
             prepack_linear=self.config.prepack_linear,
+            eos_token_ids=model_eos_ids(model),
         )
-        self.kernels = self.runner.kernels
         self.proposer: Proposer | None = None  # None: no speculation
         try:
             self._build(model, draft_model)
         except BaseException:
             if self.proposer is not None:
                 self.proposer.close()
-            self.runner.close()
+            self.executor.close()
             raise
 
     def _build(self, model: torch.nn.Module, draft_model: torch.nn.Module | None) -> None:
         config = self.config
-        state_specs = self.runner.probe.state_layers
+        cache_spec = self.executor.cache_spec
+        state_specs = cache_spec.state_layers
         spec = config.speculative
         if spec is not None and state_specs:
             raise ValueError(
@@ -99,7 +100,7 @@ class EngineCore(Lifecycle):
             self.proposer = make_proposer(
                 spec,
                 draft_model,
-                vocab_size=self.runner.vocab_size,
+                vocab_size=self.executor.vocab_size,
                 max_batch_tokens=config.max_batch_tokens,
                 use_native_kernels=config.use_native_kernels,
                 prepack_linear=config.prepack_linear,
@@ -108,16 +109,20 @@ class EngineCore(Lifecycle):
         plan = plan_cache(
             config,
             model,
-            self.runner.probe.layers,
+            cache_spec.layers,
             state_specs,
-            self.runner.device,
+            self.executor.device,
             draft.bytes_per_token if draft is not None else 0,
         )
         self.plan = plan
         self.cache_groups = plan.groups
         self.state_specs = plan.state_specs
         self._allocate_memory()
-        if self.swap_space is None and config.preemption_mode == "swap" and not self.state_specs:
+        if (
+            self.executor.swap_space is None
+            and config.preemption_mode == "swap"
+            and not self.state_specs
+        ):
             logger.warning("cbgen: swap_space holds no block; preemption will recompute")
         self.allocator = BlockAllocator(plan.num_blocks)
         self.prefix_caching = plan.prefix_caching
@@ -131,13 +136,12 @@ class EngineCore(Lifecycle):
             config.max_num_seqs,
             enable_prefix_caching=self.prefix_caching,
             groups=self.cache_groups,
-            swap_blocks=self.swap_space.num_blocks if self.swap_space is not None else 0,
+            swap_blocks=self.executor.swap_space.num_blocks if self.executor.swap_space else 0,
             admission=config.admission,
             state_slots=config.max_num_seqs if self.state_specs else 0,
             state_checkpoints=plan.num_checkpoints,
         )
         self.stats = self.scheduler.stats  # prefill/decode/cached tokens, preemptions, spec_*
-        self.sampler = self._make_sampler()
         self._weights = WeightVersions(model)  # the weights the executor's copies hold
         self._paused = False  # pause() / sleep(): the model has its own modules back
         self._asleep = False  # sleep(): no KV cache, no packed weights
@@ -145,13 +149,13 @@ class EngineCore(Lifecycle):
         self.max_model_len = plan.max_model_len
         self.output_processor = OutputProcessor(model_eos_ids(model), self.max_model_len)
         self.scheduler.max_model_len = self.max_model_len
-        self.vocab_size = self.runner.vocab_size
+        self.vocab_size = self.executor.vocab_size
         self.input_processor = InputProcessor(
             self.vocab_size,
             self.max_model_len,
             tokenizer=self.tokenizer,
             decode=self._decode,
-            device=self.runner.device,
+            device=self.executor.device,
             eos_token_ids=model_eos_ids(model),
         )
         self._requests: dict[str, Request] = {}
@@ -263,12 +267,11 @@ class EngineCore(Lifecycle):
         if scheduled.swap_out or scheduled.swap_in:
             if in_flight is not None:  # the copies read K/V the step in flight writes
                 futures.wait([in_flight.future])
-            assert self.swap_space is not None
-            for move in self.swap_space.run_moves(scheduled.swap_out, scheduled.swap_in):
+            for move in self.executor.copy_blocks(scheduled.swap_out, scheduled.swap_in):
                 self.scheduler.swap_failed(move, scheduled)
         if scheduled.is_empty:
             return self._settle_in_flight() if in_flight is not None else outputs
-        batch = self.batch_builder.build(scheduled)
+        batch = self.executor.prepare(scheduled)
         bitmask = None
         if self.input_processor.grammars is not None:
             bitmask = grammar_bitmask(batch.sampled, self._requests, self.vocab_size)
@@ -343,23 +346,16 @@ class EngineCore(Lifecycle):
     ) -> SamplerOutput:
         """The device half of a step: carried tokens in, forward pass, sampling, and the
         logprobs of the prompt tokens the step scores."""
-        if batch.carry_rows is not None:
-            assert previous is not None and batch.carry_sources is not None
-            tokens = previous.result().token_tensor
-            assert tokens is not None
-            batch.input_ids[0].index_copy_(
-                0, batch.carry_rows, tokens.index_select(0, batch.carry_sources)
-            )
         if self.proposer is None:
-            return sample_step(self.sampler, batch, self.runner.execute(batch), bitmask)
+            return self.executor.sample(batch, self.executor.forward(batch, previous), bitmask)
         started = time.perf_counter()
-        logits = self.runner.execute(batch)
+        logits = self.executor.forward(batch, previous)
         # Only a decoding step measures one: every input token is a sampled row (the
         # last token and each guess), no prompt chunk in it.
         if batch.input_ids.shape[1] == len(batch.sampled):
             guesses = len(batch.sampled) - len({s.request_id for s in batch.sampled})
             self.proposer.observe_step(time.perf_counter() - started, guesses)
-        return sample_step(self.sampler, batch, logits, bitmask)
+        return self.executor.sample(batch, logits, bitmask)
 
     def _settle(self, pending: PendingSamples, sampled: SamplerOutput) -> list[RequestOutput]:
         outputs, finished = self.output_processor.resolve(
@@ -367,6 +363,7 @@ class EngineCore(Lifecycle):
         )
         for request, reason in finished:
             self._retire(request, reason)
+        self.scheduler.update_from_output(pending.requests)
         self.stats.update(self.output_processor.speculation.stats())
         return outputs
 
@@ -389,7 +386,7 @@ class EngineCore(Lifecycle):
             self.abort(request_id)
         if self.proposer is not None:
             self.proposer.close()
-        self.runner.close()
+        self.executor.close()
 
     def __enter__(self) -> EngineCore:
         return self

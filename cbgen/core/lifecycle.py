@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache.paged_cache import PagedKVCache
-from ..cache.state import StateCache
-from ..cache.swap import SwapSpace
-from ..executor.batch import BatchBuilder
-from ..executor.runner import Executor
+from ..executor.model_executor import ModelExecutor
 from ..requests.request import RequestOutput
-from ..sampling.logits import default_processors
-from ..sampling.sampler import Sampler
 from ..spec.draft import DraftModelProposer
 from ..spec.speculative import Proposer
 from ..sysmem import trim_heap
 from .cache_plan import CachePlan
 from .config import EngineConfig
-from .model_facts import model_eos_ids
 from .scheduler import Scheduler
 from .weights import NamedTensors, WeightVersions, load_named_weights
 
@@ -43,15 +36,9 @@ class Lifecycle:
     model: torch.nn.Module
     config: EngineConfig
     plan: CachePlan
-    runner: Executor
-    kernels: Any
+    executor: ModelExecutor
     proposer: Proposer | None
     scheduler: Scheduler
-    sampler: Sampler
-    cache: PagedKVCache
-    state_cache: StateCache | None
-    swap_space: SwapSpace | None
-    batch_builder: BatchBuilder
     _weights: WeightVersions
     _paused: bool
     _asleep: bool
@@ -94,7 +81,7 @@ class Lifecycle:
             self._held += self._settle_in_flight()
         if self.proposer is not None:
             self.proposer.pause()
-        self.runner.close()
+        self.executor.release_weights()
         self._paused = True
 
     def resume(self) -> None:
@@ -123,7 +110,7 @@ class Lifecycle:
         self._forget_kv()
         if self.proposer is not None:
             self.proposer.release_cache()
-        del self.cache, self.swap_space, self.batch_builder, self.state_cache
+        self.executor.free()
         trim_heap()  # the packed weights' memory back to the OS, not kept for reuse
         self._asleep = True
 
@@ -145,57 +132,23 @@ class Lifecycle:
             self.proposer.reset()
 
     def _rebuild_executor(self) -> None:
-        """A new executor from the model's current weights (the old one closed)."""
-        self.runner.close()
-        self.runner = Executor(
-            self.model,
-            use_native_kernels=self.config.use_native_kernels,
-            prepack_linear=self.config.prepack_linear,
-        )
-        self.kernels = self.runner.kernels
-        if not self._asleep:
-            self.batch_builder.attention = self.runner.attention
-        self.sampler = self._make_sampler()
+        """A new runner from the model's current weights (the old one closed)."""
+        self.executor.rebuild()
         if self.proposer is not None:
             self.proposer.resume()
 
     def _allocate_memory(self) -> None:
         """The KV cache (and the swap space, the batch builder that reads the cache, and a
         draft model's cache), ``plan.num_blocks`` blocks: at build and after ``sleep()``."""
-        config = self.config
-        self.cache = PagedKVCache(
-            self.plan.layers,
-            self.plan.num_blocks,
+        config, plan = self.config, self.plan
+        self.executor.allocate(
+            plan.layers,
+            plan.num_blocks,
             config.block_size,
-            self.runner.device,
-            self.plan.groups,
-        )
-        self.state_cache = (
-            StateCache(
-                self.plan.state_specs,
-                config.max_num_seqs + self.plan.num_checkpoints,
-                self.runner.device,
-            )
-            if self.plan.state_specs
-            else None
-        )
-        self.swap_space: SwapSpace | None = None
-        if config.preemption_mode == "swap" and self.plan.state_specs:
-            logger.info("cbgen: preemption recomputes: swap does not hold the state layers' slots")
-        elif config.preemption_mode == "swap":
-            swap_blocks = SwapSpace.blocks_for_budget(self.cache, config.swap_space)
-            if swap_blocks > 0:
-                self.swap_space = SwapSpace(self.cache, swap_blocks)
-        self.batch_builder = BatchBuilder(
-            self.cache,
-            self.runner.probe.layer_of_module,
-            self.runner.attention,
-            self.plan.groups,
-            self.state_cache,
+            plan.groups,
+            plan.state_specs,
+            config.max_num_seqs + plan.num_checkpoints,
+            config.swap_space if config.preemption_mode == "swap" else None,
         )
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.allocate_cache(self.plan.num_blocks, config.block_size)
-
-    def _make_sampler(self) -> Sampler:
-        eos = model_eos_ids(self.model)
-        return Sampler(argmax=self.runner.greedy.argmax, processors=default_processors(eos))

@@ -33,7 +33,7 @@ the queues, the policy and the token budget.
 from __future__ import annotations
 
 from bisect import insort
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ...cache.allocator import BlockAllocator
 from ...cache.groups import CacheGroup
@@ -193,6 +193,14 @@ class Scheduler(Preemption):
             insort(self.waiting, request, key=request_key)
         self.kv.free_swapped_in()
 
+    def update_from_output(self, requests: Iterable[Request]) -> None:
+        """A step settled for ``requests`` (the output processor accepted their tokens and
+        retired the finished ones): the K/V of the proposals it rejected goes now, so the
+        next ``schedule()`` plans from settled state and data flows one way."""
+        for request in requests:
+            if request.status is RequestStatus.RUNNING:
+                self._discard_rejected(request)
+
     def _discard_rejected(self, request: Request, leaving: bool = False) -> None:
         """Forget the K/V of rejected proposals: computed positions past the request's
         last known token held tokens the output processor did not accept (the accepted
@@ -220,8 +228,6 @@ class Scheduler(Preemption):
         kv = self.kv
         kv.free_swapped_in()
         kv.begin_step()
-        for request in self.running:
-            self._discard_rejected(request)
         if kv.enable_prefix_caching:
             for request in self.running:
                 kv.register_computed(request)

@@ -1,0 +1,185 @@
+"""The engine's one seam to the device: what it asks of the model, the cache and the
+sampler, whatever runs them.
+
+``EngineCore`` plans (scheduler, KV-cache manager, output processor) and hands this
+object the values of a step: a ``SchedulerOutput`` to run, block moves to copy. It gets
+back the step's samples. It never touches the runner's probe, attention backends or
+device, the cache tensors or the sampler: they live here, built from the model when the
+engine starts, sized by the engine's plan, rebuilt when the weights change and freed
+when it sleeps. A CUDA executor is another implementation of these methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent import futures
+from typing import Any, NamedTuple
+
+import torch
+
+from ..cache.groups import CacheGroup, LayerSpec
+from ..cache.paged_cache import PagedKVCache
+from ..cache.state import StateCache, StateSpec
+from ..cache.swap import SwapSpace
+from ..requests.scheduler_output import BlockMove, SchedulerOutput
+from ..sampling.logits import default_processors
+from ..sampling.sampler import Sampler, SamplerOutput
+from .batch import BatchBuilder, StepBatch
+from .runner import Executor
+from .step_sampling import Bitmask, sample_step
+
+logger = logging.getLogger(__name__)
+
+
+class CacheSpec(NamedTuple):
+    """What the model stores, as its probe observed: per attention layer per token, and
+    per request for each state layer. The engine sizes its cache plan from it."""
+
+    layers: list[LayerSpec]
+    state_layers: list[StateSpec]
+
+
+class ModelExecutor:
+    """The model's runner, its cache tensors and its sampler (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        use_native_kernels: bool,
+        prepack_linear: bool | None,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.model = model
+        self._use_native_kernels = use_native_kernels
+        self._prepack_linear = prepack_linear
+        self._eos_token_ids = eos_token_ids
+        # The backends of every role are chosen here, once (``runner.describe()``).
+        self.runner = self._new_runner()
+        self.sampler = self._new_sampler()
+        self.cache: PagedKVCache | None = None
+        self.state_cache: StateCache | None = None
+        self.swap_space: SwapSpace | None = None
+        self.batch_builder: BatchBuilder | None = None
+
+    # -- what the engine plans with ------------------------------------------------------
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(self.runner.probe.layers, self.runner.probe.state_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def kernels(self) -> Any:
+        return self.runner.kernels
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        layers: Sequence[LayerSpec],
+        num_blocks: int,
+        block_size: int,
+        groups: Sequence[CacheGroup],
+        state_specs: Sequence[StateSpec],
+        num_state_slots: int,
+        swap_bytes: int | None,
+    ) -> None:
+        """The cache tensors the engine's plan sizes: ``num_blocks`` K/V blocks per
+        physical tensor, ``num_state_slots`` state slots, and a host swap space of up to
+        ``swap_bytes`` (None: preemption recomputes)."""
+        self.cache = PagedKVCache(layers, num_blocks, block_size, self.device, groups)
+        self.state_cache = (
+            StateCache(state_specs, num_state_slots, self.device) if state_specs else None
+        )
+        self.swap_space = None
+        if swap_bytes is not None and state_specs:
+            logger.info("cbgen: preemption recomputes: swap does not hold the state layers' slots")
+        elif swap_bytes is not None:
+            swap_blocks = SwapSpace.blocks_for_budget(self.cache, swap_bytes)
+            if swap_blocks > 0:
+                self.swap_space = SwapSpace(self.cache, swap_blocks)
+        self.batch_builder = BatchBuilder(
+            self.cache,
+            self.runner.probe.layer_of_module,
+            self.runner.attention,
+            groups,
+            self.state_cache,
+        )
+
+    def free(self) -> None:
+        """Give the cache tensors' memory back (``EngineCore.sleep``); ``allocate`` again
+        before the next step."""
+        self.cache = self.state_cache = self.swap_space = self.batch_builder = None
+
+    # -- a step ---------------------------------------------------------------------------
+
+    def prepare(self, scheduled: SchedulerOutput) -> StepBatch:
+        """The step's inputs on the device, built on the engine's thread."""
+        assert self.batch_builder is not None, "the executor's memory is freed (sleep)"
+        return self.batch_builder.build(scheduled)
+
+    def forward(
+        self, batch: StepBatch, previous: futures.Future[SamplerOutput] | None
+    ) -> torch.Tensor:
+        """The forward pass of ``batch``; under async scheduling the tokens the previous
+        step samples are copied into the rows that carry them first."""
+        if batch.carry_rows is not None:
+            assert previous is not None and batch.carry_sources is not None
+            tokens = previous.result().token_tensor
+            assert tokens is not None
+            batch.input_ids[0].index_copy_(
+                0, batch.carry_rows, tokens.index_select(0, batch.carry_sources)
+            )
+        return self.runner.execute(batch)
+
+    def sample(
+        self, batch: StepBatch, logits: torch.Tensor, bitmask: Bitmask | None
+    ) -> SamplerOutput:
+        """The step's samples and logprobs from its logits (grammar rows masked)."""
+        return sample_step(self.sampler, batch, logits, bitmask)
+
+    def copy_blocks(
+        self, swap_out: Sequence[BlockMove], swap_in: Sequence[BlockMove]
+    ) -> list[BlockMove]:
+        """Run the step's swap copies; return the moves whose copy failed."""
+        assert self.swap_space is not None
+        return self.swap_space.run_moves(swap_out, swap_in)
+
+    # -- weights --------------------------------------------------------------------------
+
+    def release_weights(self) -> None:
+        """Give the model its own forward and attention back; the packed copies go."""
+        self.runner.close()
+
+    def rebuild(self) -> None:
+        """A new runner and sampler from the model's weights as they are now (the old
+        runner closed); the cache tensors are kept."""
+        self.runner.close()
+        self.runner = self._new_runner()
+        if self.batch_builder is not None:
+            self.batch_builder.attention = self.runner.attention
+        self.sampler = self._new_sampler()
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def _new_runner(self) -> Executor:
+        return Executor(
+            self.model,
+            use_native_kernels=self._use_native_kernels,
+            prepack_linear=self._prepack_linear,
+        )
+
+    def _new_sampler(self) -> Sampler:
+        return Sampler(
+            argmax=self.runner.greedy.argmax, processors=default_processors(self._eos_token_ids)
+        )
