@@ -70,11 +70,12 @@ class EngineCore(Lifecycle):
         # Before the target's executor changes its modules: a layer-skip draft copies them.
         draft_model = draft_model_for(self.config.speculative, model)
         # The runner's backends are chosen here, once (``engine.executor.runner.describe()``).
+        self.eos_token_ids = model_eos_ids(model)  # the sampler's, grammars' and stop rule's
         self.executor = ModelExecutor(
             model,
             use_native_kernels=self.config.use_native_kernels,
             prepack_linear=self.config.prepack_linear,
-            eos_token_ids=model_eos_ids(model),
+            eos_token_ids=self.eos_token_ids,
         )
         self.proposer: Proposer | None = None  # None: no speculation
         try:
@@ -147,7 +148,7 @@ class EngineCore(Lifecycle):
         self._asleep = False  # sleep(): no KV cache, no packed weights
         self._held: list[RequestOutput] = []  # outputs of a step settled outside step()
         self.max_model_len = plan.max_model_len
-        self.output_processor = OutputProcessor(model_eos_ids(model), self.max_model_len)
+        self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.scheduler.max_model_len = self.max_model_len
         self.vocab_size = self.executor.vocab_size
         self.input_processor = InputProcessor(
@@ -156,7 +157,7 @@ class EngineCore(Lifecycle):
             tokenizer=self.tokenizer,
             decode=self._decode,
             device=self.executor.device,
-            eos_token_ids=model_eos_ids(model),
+            eos_token_ids=self.eos_token_ids,
         )
         self._requests: dict[str, Request] = {}
         self._num_with_history = 0  # unfinished requests whose sampling reads their tokens
