@@ -245,7 +245,7 @@ class KVCacheManager:
             return []
         limit = (request.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(
-            request.block_hashes, request.token_ids, self.block_size, limit
+            request.block_hashes, request.token_ids, self.block_size, limit, request.cache_salt
         )
         scored = request.prompt_logprobs
         if scored is not None and len(scored) < request.num_prompt_tokens:
@@ -271,7 +271,9 @@ class KVCacheManager:
         full = min(request.num_computed_tokens // self.block_size, len(blocks))
         if full <= done:
             return
-        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, full)
+        hashes = extend_block_hashes(
+            request.block_hashes, request.token_ids, self.block_size, full, request.cache_salt
+        )
         for index in range(done, full):
             self.allocator.cache_block(blocks[index], hashes[index])
         self._num_cached_blocks[request] = full
@@ -306,7 +308,9 @@ class KVCacheManager:
             known = other.num_tokens if other.pending_index is None else other.pending_index
             last = min(_ceil_div(start + count, bs), known // bs)
             if last > first:
-                hashes = extend_block_hashes(other.block_hashes, other.token_ids, bs, last)
+                hashes = extend_block_hashes(
+                    other.block_hashes, other.token_ids, bs, last, other.cache_salt
+                )
                 in_flight.hashes.update(hashes[first:last])
         return next_hash in in_flight.hashes
 
@@ -404,7 +408,9 @@ class KVCacheManager:
         if boundary <= start or boundary == 0:
             return None
         index = boundary // bs - 1
-        hashes = extend_block_hashes(request.block_hashes, request.token_ids, bs, index + 1)
+        hashes = extend_block_hashes(
+            request.block_hashes, request.token_ids, bs, index + 1, request.cache_salt
+        )
         block_hash = hashes[index]
         pending = self._pending_checkpoints.setdefault(request, [])
         if checkpoints.lookup(block_hash) is not None or any(p[1] == block_hash for p in pending):

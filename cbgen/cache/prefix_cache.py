@@ -44,10 +44,24 @@ def hash_blocks(
     return hashes
 
 
+def salted_root(salt: bytes) -> BlockHash:
+    """The digest a request's first block chains from: ``ROOT_HASH`` for the base model,
+    a digest of ``salt`` otherwise (a LoRA adapter and its weights' generation), so K/V
+    computed under other weights never matches."""
+    if not salt:
+        return ROOT_HASH
+    return hashlib.blake2b(b"cbgen-salt:" + salt, digest_size=DIGEST_SIZE).digest()
+
+
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, count: int
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    count: int,
+    salt: bytes = b"",
 ) -> list[BlockHash]:
-    """Grow ``hashes`` in place to the first ``count`` full blocks of ``token_ids``.
+    """Grow ``hashes`` in place to the first ``count`` full blocks of ``token_ids``
+    (the first chained from ``salted_root(salt)``).
 
     Tokens of a full block never change once known (a request only appends), so
     digests computed earlier stay valid and each block is hashed once.
@@ -55,7 +69,7 @@ def extend_block_hashes(
     count = min(count, len(token_ids) // block_size)
     while len(hashes) < count:
         start = len(hashes) * block_size
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else salted_root(salt)
         hashes.append(hash_block(parent, token_ids[start : start + block_size]))
     return hashes
 

@@ -80,6 +80,10 @@ class EngineConfig:
     step a proposer guesses up to k next tokens per decoding request and the same forward
     pass verifies them; output is unchanged (greedy: token-identical; sampled: the same
     distribution), only the number of steps drops when guesses are right. ``None``: off.
+
+    ``max_loras`` LoRA adapters of rank up to ``max_lora_rank`` can be held at once
+    (``EngineCore.add_lora``); rows of different adapters and base rows share every step.
+    An adapter costs memory only once added; ``max_loras=0`` turns LoRA off.
     """
 
     block_size: int = 16
@@ -102,6 +106,8 @@ class EngineConfig:
     max_queued_tokens: int | None = None
     kv_cache_dtype: torch.dtype | str | None = None
     speculative: SpeculativeConfig | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
@@ -110,6 +116,10 @@ class EngineConfig:
                 "speculative must be a cbgen.SpeculativeConfig or None, "
                 f"got {type(self.speculative).__name__}"
             )
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

@@ -28,6 +28,7 @@ from .cache_plan import plan_cache
 from .config import EngineConfig
 from .input_processor import InputProcessor
 from .lifecycle import Lifecycle
+from .loras import Loras, _Loaded
 from .model_facts import model_eos_ids
 from .output_processor import OutputProcessor, PendingSamples
 from .scheduler import Scheduler, make_scheduler
@@ -36,7 +37,7 @@ from .weights import WeightVersions
 logger = logging.getLogger(__name__)
 
 
-class EngineCore(Lifecycle):
+class EngineCore(Lifecycle, Loras):
     """Continuous batching over a paged KV cache for one ``transformers`` causal LM.
 
     Synchronous: the caller adds requests and calls ``step()`` until
@@ -76,7 +77,10 @@ class EngineCore(Lifecycle):
             use_native_kernels=self.config.use_native_kernels,
             prepack_linear=self.config.prepack_linear,
             eos_token_ids=self.eos_token_ids,
+            max_loras=self.config.max_loras,
+            max_lora_rank=self.config.max_lora_rank,
         )
+        self._loras: dict[str, _Loaded] = {}  # LoRA adapters by name (``add_lora``)
         self.proposer: Proposer | None = None  # None: no speculation
         try:
             self._build(model, draft_model)
@@ -174,8 +178,11 @@ class EngineCore(Lifecycle):
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        lora: str | None = None,
     ) -> str:
-        """Queue a request; raise ``ValueError`` naming it if it cannot run."""
+        """Queue a request (under LoRA adapter ``lora``, one ``add_lora`` loaded; None: the
+        base model); raise ``ValueError`` naming it if it cannot run."""
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -183,6 +190,10 @@ class EngineCore(Lifecycle):
         request = self.input_processor.make_request(
             request_id, prompt_token_ids, params, next(self._arrivals)
         )
+        try:
+            self._bind_lora(request, lora)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
         self._requests[request_id] = request
         if params.needs_history:
             self._num_with_history += 1
@@ -201,6 +212,7 @@ class EngineCore(Lifecycle):
     def _retire(self, request: Request, reason: FinishReason) -> None:
         """Finish ``request`` in the scheduler (its blocks come back) and forget it."""
         self.scheduler.finish(request, reason)
+        self._unbind_lora(request)
         if self.proposer is not None:
             self.proposer.finish(request)
         self._requests.pop(request.request_id, None)
@@ -247,6 +259,8 @@ class EngineCore(Lifecycle):
                 "refreshing the engine (packed weights, K/V, prefix cache) before this step"
             )
             self.refresh()
+        if self._loras:
+            self._sync_watched_loras()
         outputs = self._step()
         if self._held:
             outputs, self._held = self._held + outputs, []

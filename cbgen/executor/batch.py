@@ -13,6 +13,7 @@ from ..cache.state import StateCache
 from ..requests.scheduler_output import ScheduledRequest, SchedulerOutput
 from .attention import TorchReferenceAttention
 from .base import AttentionBackend
+from .lora import LoraRows
 from .metadata import (
     AttentionMetadata,
     GroupTables,
@@ -43,6 +44,8 @@ class StepBatch:
     # step's samples whose token goes there (filled on the device before the forward).
     carry_rows: torch.Tensor | None = None
     carry_sources: torch.Tensor | None = None
+    # The rows of each LoRA adapter slot (None: every row runs the base model).
+    lora: LoraRows | None = None
 
 
 class _GroupLists:
@@ -105,6 +108,7 @@ class BatchBuilder:
         prefill_spans: list[tuple[int, int, int]] = []
         state_decodes: list[tuple[int, int]] = []  # (row, slot) of single tokens going on
         state_chunks: list[StateChunk] = []
+        lora_segments: list[tuple[int, int, int]] = []  # (first row, rows, adapter slot)
         lists = [_GroupLists(group) for group in self.groups]
         # Per-row tables, for a backend that attends every row in one call.
         row_tables = self.attention.row_tables
@@ -113,6 +117,8 @@ class BatchBuilder:
             start, count = chunk.start, chunk.num_tokens
             row = len(input_ids)
             input_ids.extend(chunk.token_ids)
+            if chunk.lora_slot >= 0:
+                lora_segments.append((row, count, chunk.lora_slot))
             if chunk.carry is not None:
                 offset, source = chunk.carry
                 carry.append((row + offset, source))
@@ -198,6 +204,8 @@ class BatchBuilder:
             sample_positions=sample_positions,
             prompt_scores=prompt_scores,
         )
+        if lora_segments:
+            batch.lora = LoraRows.of(lora_segments, len(input_ids), device)
         if carry:
             rows, sources = zip(*carry, strict=True)
             batch.carry_rows = torch.tensor(rows, dtype=torch.long, device=device)

@@ -12,7 +12,7 @@ when it sleeps. A CUDA executor is another implementation of these methods.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any, NamedTuple
 
@@ -26,6 +26,8 @@ from ..requests.scheduler_output import BlockMove, SchedulerOutput
 from ..sampling.logits import default_processors
 from ..sampling.sampler import Sampler, SamplerOutput
 from .batch import BatchBuilder, StepBatch
+from .lora import lora_rows
+from .lora_slots import LoraSlots, LoraWeights
 from .runner import Executor
 from .step_sampling import Bitmask, sample_step
 
@@ -50,6 +52,8 @@ class ModelExecutor:
         use_native_kernels: bool,
         prepack_linear: bool | None,
         eos_token_ids: set[int],
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
     ) -> None:
         self.model = model
         self._use_native_kernels = use_native_kernels
@@ -62,6 +66,18 @@ class ModelExecutor:
         self.state_cache: StateCache | None = None
         self.swap_space: SwapSpace | None = None
         self.batch_builder: BatchBuilder | None = None
+        # Adapter slots over the base model's linear maps (None: LoRA off).
+        self.loras: LoraSlots | None = None
+        if max_loras > 0:
+            mixers = self.runner.state_mixers
+            self.loras = LoraSlots(
+                model,
+                max_loras,
+                max_lora_rank,
+                self.runner.dtype,
+                self.device,
+                list(mixers.names) if mixers is not None else [],
+            )
 
     # -- what the engine plans with ------------------------------------------------------
 
@@ -139,7 +155,8 @@ class ModelExecutor:
             batch.input_ids[0].index_copy_(
                 0, batch.carry_rows, tokens.index_select(0, batch.carry_sources)
             )
-        return self.runner.execute(batch)
+        with lora_rows(batch.lora):
+            return self.runner.execute(batch)
 
     def sample(
         self, batch: StepBatch, logits: torch.Tensor, bitmask: Bitmask | None
@@ -154,22 +171,53 @@ class ModelExecutor:
         assert self.swap_space is not None
         return self.swap_space.run_moves(swap_out, swap_in)
 
+    # -- adapters -------------------------------------------------------------------------
+
+    def check_lora(self, weights: Mapping[str, LoraWeights]) -> None:
+        """``ValueError`` naming the first module of ``weights`` that cannot take it."""
+        self._slots().check(weights)
+
+    def load_lora(self, slot: int, weights: Mapping[str, LoraWeights], clear: bool = True) -> None:
+        """Adapter slot ``slot`` holds ``weights`` from the next step on (``clear``: and
+        nothing else)."""
+        slots = self._slots()
+        slots.load(slot, weights, clear)
+        if slots.needs_attach:
+            slots.attach(self.runner.packed_linears)
+
+    def clear_lora(self, slot: int) -> None:
+        """Adapter slot ``slot`` holds nothing."""
+        self._slots().clear(slot)
+
+    def _slots(self) -> LoraSlots:
+        if self.loras is None:
+            raise ValueError("LoRA is off in this engine (EngineConfig.max_loras=0)")
+        return self.loras
+
     # -- weights --------------------------------------------------------------------------
 
     def release_weights(self) -> None:
         """Give the model its own forward and attention back; the packed copies go."""
+        if self.loras is not None:
+            self.loras.detach()
         self.runner.close()
 
     def rebuild(self) -> None:
         """A new runner and sampler from the model's weights as they are now (the old
-        runner closed); the cache tensors are kept."""
+        runner closed); the cache tensors and the adapters are kept."""
+        if self.loras is not None:
+            self.loras.detach()
         self.runner.close()
         self.runner = self._new_runner()
+        if self.loras is not None and self.loras.modules:
+            self.loras.attach(self.runner.packed_linears)
         if self.batch_builder is not None:
             self.batch_builder.attention = self.runner.attention
         self.sampler = self._new_sampler()
 
     def close(self) -> None:
+        if self.loras is not None:
+            self.loras.detach()
         self.runner.close()
 
     def _new_runner(self) -> Executor:

@@ -16,6 +16,7 @@ from .attention_hook import ProbeRecord, attention_context
 from .base import AttentionBackend, GreedyBackend, LinearBackend, ModelAdapter, model_device
 from .base import model_dtype as _model_dtype
 from .cpu.kernels import decode_kernel
+from .cpu.prepack import PackedLinears
 from .native import NativeKernels
 from .registry import ROLES, BuildContext, Selection, select
 from .state_mixers import StateMixers, UnsupportedStateLayer, declared_state_layers
@@ -126,6 +127,13 @@ class Executor:
     def describe(self) -> str:
         """One line per role: the backend serving it and why the ones before it refused."""
         return "\n".join(self.selections[role].describe() for role in self.selections)
+
+    @property
+    def packed_linears(self) -> PackedLinears | None:
+        """The prepacked (and quantized) maps serving the model's linear modules, if the
+        linear backend packs them."""
+        linear = self.selections.get("linear")
+        return getattr(linear.backend, "packed", None) if linear is not None else None
 
     @property
     def prepacked_linears(self) -> int:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ def generate_batch(
     tokenizer: Any = None,
     progress: bool = False,
     raise_on_invalid: bool = True,
+    lora: Any = None,
 ) -> list[RequestOutput]:
     """Generate for every prompt with continuous batching; outputs follow the input order.
 
@@ -47,6 +49,11 @@ def generate_batch(
     ``model`` may also be an open ``EngineCore`` with no unfinished requests (its own
     config and tokenizer apply; it stays open), so that building it (native kernels,
     packed weights, the KV cache) is paid once and timed apart from generating.
+
+    ``lora``: a LoRA adapter for every prompt, or a list with one per prompt (``None``:
+    the base model). An adapter is a PEFT adapter folder or a ``peft`` model (or, on an
+    open ``EngineCore``, the name of one it holds); the adapters are added for the call
+    (at most ``EngineConfig.max_loras`` distinct ones) and removed after it.
     """
     if isinstance(model, EngineCore):
         if config is not None or tokenizer is not None:
@@ -65,7 +72,7 @@ def generate_batch(
         if isinstance(model, EngineCore)
         else EngineCore(model, config, tokenizer)
     )
-    with opened as engine:
+    with opened as engine, _call_loras(engine, lora, len(prompts_token_ids)) as lora_names:
         errors: list[str] = []
         for index, (prompt, request_params) in enumerate(
             zip(prompts_token_ids, per_prompt, strict=True)
@@ -75,7 +82,9 @@ def generate_batch(
                 per_sample = fan_out(str(index), request_params)
                 for i, sample_params in enumerate(per_sample):
                     request_id = str(index) if len(per_sample) == 1 else f"{index}.{i}"
-                    engine.add_request(prompt, sample_params, request_id=request_id)
+                    engine.add_request(
+                        prompt, sample_params, request_id=request_id, lora=lora_names[index]
+                    )
                     added.append(request_id)
                     samples[request_id] = (index, i)
                 results[index] = [None] * len(per_sample)
@@ -129,6 +138,41 @@ def _run(
             bar.set_postfix(out_tok_s=f"{generated / max(elapsed, 1e-9):.1f}", refresh=False)
     finally:
         bar.close()
+
+
+@contextlib.contextmanager
+def _call_loras(engine: EngineCore, lora: Any, count: int) -> Iterator[list[str | None]]:
+    """The adapter name of each prompt, the call's own adapters added first and removed
+    when it ends."""
+    if isinstance(lora, (list, tuple)):
+        if len(lora) != count:
+            raise ValueError(f"got {len(lora)} LoRA adapters for {count} prompts")
+        sources = list(lora)
+    else:
+        sources = [lora] * count
+    held = {info.name for info in engine.list_loras()}
+    added: dict[Any, str] = {}  # source (its path, or the object's id) -> name
+    names: list[str | None] = []
+    try:
+        for source in sources:
+            if source is None:
+                names.append(None)
+                continue
+            if isinstance(source, str) and source in held:
+                names.append(source)
+                continue
+            key = os.fspath(source) if isinstance(source, (str, os.PathLike)) else id(source)
+            if key not in added:
+                name = f"generate_batch-lora-{len(added)}"
+                engine.add_lora(name, source)
+                added[key] = name
+            names.append(added[key])
+        yield names
+    finally:
+        for name in added.values():
+            # Only a failed run leaves requests under it; that failure is the one to see.
+            with contextlib.suppress(ValueError):
+                engine.remove_lora(name)
 
 
 def _per_prompt_params(params: Any, count: int) -> list[SamplingParams]:

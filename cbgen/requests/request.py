@@ -82,6 +82,12 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     text: RequestText | None = None  # with a tokenizer: the text and stop strings
     grammar: GrammarMatcher | None = None  # SamplingParams.structured_output's state
+    # The LoRA adapter it runs under (None: the base model), its slot in the executor, and
+    # what its prefix-cache hashes start from (K/V computed under another adapter, or
+    # under this one's older weights, never matches).
+    lora: str | None = None
+    lora_slot: int = -1
+    cache_salt: bytes = b""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -59,6 +59,7 @@ class ScheduledRequest:
     state_load: int = -1  # a prefix-cache hit: the checkpoint slot its state starts from
     # Save the state after this many tokens into that checkpoint slot (a block boundary).
     state_save: tuple[int, int] | None = None
+    lora_slot: int = -1  # the request's LoRA adapter slot (-1: the base model)
 
     @property
     def num_sampled(self) -> int:
@@ -111,6 +112,7 @@ class ScheduledRequest:
             state_slot=state_slot,
             state_load=state_load,
             state_save=state_save,
+            lora_slot=request.lora_slot,
         )
 
     @property

@@ -33,7 +33,7 @@ the queues, the policy and the token budget.
 from __future__ import annotations
 
 from bisect import insort
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from ...cache.allocator import BlockAllocator
 from ...cache.groups import CacheGroup
@@ -175,11 +175,13 @@ class Scheduler(Preemption):
         request.finish_reason = reason
         self.kv.free_swapped_in()  # the step that read them is over
 
-    def recompute_all(self) -> None:
-        """Send every running and swapped request back to wait with no K/V: it computes
-        its tokens again when readmitted (the weights its K/V came from changed). Not a
-        preemption: nothing is counted."""
+    def recompute_all(self, only: Container[Request] | None = None) -> None:
+        """Send every running and swapped request (``only``: of these) back to wait with
+        no K/V: it computes its tokens again when readmitted (the weights its K/V came
+        from changed). Not a preemption: nothing is counted."""
         for request in [*self.running, *self.swapped]:
+            if only is not None and request not in only:
+                continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
                 self._discard_rejected(request, leaving=True)

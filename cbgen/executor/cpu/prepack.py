@@ -80,6 +80,8 @@ class LinearMap:
     (``PackedMap`` here; ``cbgen.executor.cpu.quantization``'s int8 and 4-bit maps)."""
 
     out_features: int
+    # LoRA adapters added to the output (``cbgen.executor.lora.MapLora``), if any serve it.
+    lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -99,7 +101,10 @@ class PackedMap(LinearMap):
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias)
+        out = packed_linear(x, self.packed, self.bias)
+        if self.lora is not None:
+            self.lora(x, out)
+        return out
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype
@@ -304,6 +309,17 @@ class PackedLinears:
         if any(a is not b for a, b in zip(group.members, modules, strict=True)):
             return None
         return group.map
+
+    def serving(self, module: nn.Module) -> tuple[LinearMap, slice] | None:
+        """The map serving ``module`` and the columns of its output that are the module's
+        (all of them unless it is fused with siblings), or None if none does."""
+        single = self._single.get(module)
+        if single is not None:
+            return single, slice(None)
+        group = self._fused.get(module)
+        if group is None:
+            return None
+        return group.map, group.columns[group.members.index(module)]
 
     def restore(self) -> None:
         for module in [*self._single, *self._fused]:

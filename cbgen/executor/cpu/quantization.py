@@ -215,7 +215,10 @@ class _QuantizedMap(LinearMap):
         out = self._matmul(rows)
         if self.bias is not None:
             out.add_(self.bias)
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if self.lora is not None:
+            self.lora(x, out)
+        return out
 
 
 class Int8Map(_QuantizedMap):

@@ -1,0 +1,227 @@
+"""LoRA adapters applied per row group, over a base model whose linear maps stay shared.
+
+A step may mix rows of several adapters and base rows. The base GEMM runs once for every
+row (prepacked, quantized, or the module's own ``F.linear``); each adapted map then adds
+``scale * B(A(x))`` to the rows of each adapter. Adapters live in slots: for every module
+an adapter targets, ``ModuleLora`` stacks the ``A`` and ``B`` of every slot
+(``[slots, in, rank]`` and ``[slots, rank, out]``, ranks padded with zeros, the scale
+folded into ``B``), so a step's adapters are one gather of the input rows, two batched
+matrix products and one scatter-add per map, whatever the number of adapters or requests:
+no Python loop per request or per adapter.
+
+The rows of each adapter come from the step (``LoraRows``, built by the batch builder from
+each scheduled request's slot) and reach the maps through a context variable set around
+the forward pass (``lora_rows``), as the attention metadata does: the maps themselves are
+the same objects whatever the step. A map outside a step (the probe, a draft model's
+forward) adds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_ROWS: contextvars.ContextVar[LoraRows | None] = contextvars.ContextVar("cbgen_lora_rows")
+
+
+@dataclass
+class LoraRows:
+    """Which rows of a step belong to which adapter slot.
+
+    ``slots``: the slots with rows, ascending (``slot_index`` on the device). For the
+    batched path, ``gather`` ``[len(slots) * width]`` lists each slot's rows padded to
+    ``width`` with row 0, and ``mask`` ``[len(slots), width, 1]`` is 1 on real rows and
+    0 on padding, so a padded row adds exactly zero. ``whole``: one slot holds every
+    row in order (no gather, no scatter).
+    """
+
+    num_rows: int
+    slots: list[int]
+    slot_index: torch.Tensor
+    gather: torch.Tensor | None
+    mask: torch.Tensor | None
+    width: int
+    whole: bool
+
+    @classmethod
+    def of(
+        cls, segments: Sequence[tuple[int, int, int]], num_rows: int, device: torch.device
+    ) -> LoraRows | None:
+        """From ``(first row, row count, slot)`` per request (slot < 0: base rows); None
+        when no row has an adapter."""
+        by_slot: dict[int, list[int]] = {}
+        for row, count, slot in segments:
+            if slot >= 0 and count > 0:
+                by_slot.setdefault(slot, []).extend(range(row, row + count))
+        if not by_slot:
+            return None
+        slots = sorted(by_slot)
+        slot_index = torch.tensor(slots, dtype=torch.long, device=device)
+        first = by_slot[slots[0]]
+        if len(slots) == 1 and len(first) == num_rows:
+            return cls(num_rows, slots, slot_index, None, None, num_rows, whole=True)
+        width = max(len(rows) for rows in by_slot.values())
+        gather: list[int] = []
+        mask: list[float] = []
+        for slot in slots:
+            rows = by_slot[slot]
+            pad = width - len(rows)
+            gather += rows + [0] * pad
+            mask += [1.0] * len(rows) + [0.0] * pad
+        return cls(
+            num_rows,
+            slots,
+            slot_index,
+            torch.tensor(gather, dtype=torch.long, device=device),
+            torch.tensor(mask, device=device).view(len(slots), width, 1),
+            width,
+            whole=False,
+        )
+
+
+@contextlib.contextmanager
+def lora_rows(rows: LoraRows | None) -> Iterator[None]:
+    """The adapter rows of the forward pass run inside (None: every row is the base's)."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def current_rows() -> LoraRows | None:
+    """The adapter rows of the forward pass this thread is in, if any."""
+    return _ROWS.get(None)
+
+
+class ModuleLora:
+    """The ``A`` and ``B`` of every slot for one linear module (zeros where a slot's
+    adapter does not target it), in the dtype of the module's inputs. They keep PEFT's
+    layouts (``[slots, rank, in]`` and ``[slots, out, rank]``): loading is a plain copy
+    and the products read them transposed."""
+
+    def __init__(
+        self, name: str, in_features: int, out_features: int, num_slots: int, dtype: torch.dtype
+    ) -> None:
+        self.name = name
+        self.in_features = in_features
+        self.out_features = out_features
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.rank = 0
+        self.a = torch.zeros(num_slots, 0, in_features, dtype=dtype)
+        self.b = torch.zeros(num_slots, out_features, 0, dtype=dtype)
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def to(self, device: torch.device) -> None:
+        self.a, self.b = self.a.to(device), self.b.to(device)
+
+    def _grow(self, rank: int) -> None:
+        if rank <= self.rank:
+            return
+        a = self.a.new_zeros(self.num_slots, rank, self.in_features)
+        b = self.b.new_zeros(self.num_slots, self.out_features, rank)
+        a[:, : self.rank, :] = self.a
+        b[:, :, : self.rank] = self.b
+        self.a, self.b, self.rank = a, b, rank
+
+    def load(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """Slot ``slot`` becomes ``a`` ``[rank, in]`` and ``b`` ``[out, rank]`` (PEFT's
+        layouts), ``scale`` folded into ``b``."""
+        rank = int(a.shape[0])
+        self._grow(rank)
+        with torch.no_grad():
+            if rank < self.rank:  # the padding past this adapter's rank must be zeros
+                self.a[slot, rank:, :].zero_()
+                self.b[slot, :, rank:].zero_()
+            self.a[slot, :rank, :].copy_(a.detach())
+            b_slot = self.b[slot, :, :rank]
+            if b.dtype == self.dtype:
+                b_slot.copy_(b.detach()).mul_(scale)
+            else:  # scaled before it is rounded to the stack's dtype
+                b_slot.copy_(b.detach().to(torch.float32) * scale)
+
+    def clear(self, slot: int) -> None:
+        with torch.no_grad():
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor, rows: LoraRows) -> None:
+        """``out[r] += scale * B(A(x[r]))`` for every row ``r`` of an adapter, in place;
+        ``x`` ``[rows, in]``, ``out`` ``[rows, out]`` (a column view of a fused output
+        is fine)."""
+        if self.rank == 0:
+            return
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if rows.whole:
+            slot = rows.slots[0]
+            out.addmm_(x @ self.a[slot].t(), self.b[slot].t())
+            return
+        assert rows.gather is not None and rows.mask is not None
+        a, b = self.a, self.b
+        if len(rows.slots) != self.num_slots:
+            a, b = a.index_select(0, rows.slot_index), b.index_select(0, rows.slot_index)
+        picked = x.index_select(0, rows.gather).view(len(rows.slots), rows.width, -1)
+        hidden = torch.bmm(picked, a.transpose(1, 2))
+        hidden.mul_(self._mask(rows))
+        delta = torch.bmm(hidden, b.transpose(1, 2)).view(-1, self.out_features)
+        out.index_add_(0, rows.gather, delta.to(out.dtype))
+
+    def _mask(self, rows: LoraRows) -> torch.Tensor:
+        assert rows.mask is not None
+        return rows.mask if rows.mask.dtype == self.dtype else rows.mask.to(self.dtype)
+
+
+class MapLora:
+    """The adapters of one linear map: one module's, or those of fused siblings (q/k/v,
+    gate/up) whose outputs sit side by side (``columns``)."""
+
+    def __init__(self, members: Sequence[tuple[slice, ModuleLora]]) -> None:
+        self.members = tuple(members)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        rows = _ROWS.get(None)
+        if rows is None:
+            return
+        x2 = x.reshape(-1, x.shape[-1])
+        out2 = out.view(-1, out.shape[-1])
+        if x2.shape[0] != rows.num_rows:
+            name = self.members[0][1].name
+            raise RuntimeError(
+                f"cbgen LoRA: {name} was called on {x2.shape[0]} rows in a step of "
+                f"{rows.num_rows}; adapters on this module are not supported"
+            )
+        for columns, module in self.members:
+            module.add_to(x2, out2[:, columns], rows)
+
+
+def wrap_module_forward(module: nn.Module, lora: MapLora) -> None:
+    """``module``'s forward (its own, or one a backend put in place) followed by ``lora``;
+    ``unwrap_module_forward`` undoes it."""
+    inner = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = inner(x)
+        if _ROWS.get(None) is not None:
+            lora(x, out)
+        return out
+
+    forward.__cbgen_lora_inner__ = inner  # type: ignore[attr-defined]
+    module.forward = forward  # type: ignore[method-assign]
+
+
+def unwrap_module_forward(module: nn.Module) -> None:
+    forward = module.__dict__.get("forward")
+    inner = getattr(forward, "__cbgen_lora_inner__", None)
+    if inner is None:
+        return
+    if getattr(inner, "__self__", None) is module and inner.__func__ is type(module).forward:
+        del module.__dict__["forward"]  # it was the class's own
+    else:
+        module.forward = inner  # type: ignore[method-assign]
