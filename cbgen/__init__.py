@@ -2,6 +2,7 @@
 
 from .core.config import EngineConfig
 from .core.engine_core import EngineCore
+from .core.loras import LoraInfo
 from .frontends.generate import generate_batch
 from .frontends.online import Engine, EngineClosedError, EngineOverloadedError
 from .models.loader import load_model
@@ -19,6 +20,7 @@ __all__ = [
     "EngineCore",
     "EngineOverloadedError",
     "FinishReason",
+    "LoraInfo",
     "RequestOutput",
     "Rollout",
     "SamplingParams",

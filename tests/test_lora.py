@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
 
-from cbgen import EngineConfig, SamplingParams, generate_batch
+from cbgen import Engine, EngineConfig, SamplingParams, SpeculativeConfig, generate_batch
 from cbgen.core.engine_core import EngineCore
 
 # Four adapters of different shapes: every linear map, rsLoRA, one layer only, a rank
@@ -96,6 +96,20 @@ def test_mixed_adapters_match_peft(llama_adapters, mix):
     base, folders, models = llama_adapters
     prompts = random_prompts(3, 5, 14, seed=1)
     got, want = _run_mixed(base, folders, models, prompts, **mix)
+    assert got == want
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip"])
+def test_speculation_under_adapters_is_exact(llama_adapters, method):
+    """Guesses come from the base (prompt lookup, or the base's first layers); the
+    adapter's own pass verifies them, so the output stays the peft model's."""
+    base, folders, models = llama_adapters
+    extra = dict(num_layers=1) if method == "layer_skip" else {}
+    spec = SpeculativeConfig(
+        method=method, num_tokens=3, disable_batch_size=None, adaptive=False, **extra
+    )
+    prompts = [p + p for p in random_prompts(2, 5, 9, seed=9)]  # repeats for prompt lookup
+    got, want = _run_mixed(base, folders[:2], models[:2], prompts, speculative=spec)
     assert got == want
 
 
@@ -223,6 +237,29 @@ def test_architectures_match_peft(arch, tmp_path):
     assert got == want
 
 
+def test_the_online_engine_serves_adapters(llama_adapters):
+    base, folders, models = llama_adapters
+    prompts = random_prompts(3, 5, 9, seed=21)
+    with Engine(copy.deepcopy(base), config=EngineConfig(block_size=4)) as engine:
+        engine.add_lora("a", folders[0])
+        engine.add_lora("b", models[1])
+        assert [info.name for info in engine.list_loras()] == ["a", "b"]
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'c'"):
+            engine.add_request(prompts[0], SamplingParams(max_new_tokens=5), lora="c")
+        params = SamplingParams(max_new_tokens=5)
+        ids = [
+            engine.add_request(p, params, lora=lora)
+            for p, lora in zip(prompts, ["a", None, "b"], strict=True)
+        ]
+        outs = [engine.get_result(rid, timeout=60) for rid in ids]
+        references = [models[0], base, models[1]]
+        for out, prompt, reference in zip(outs, prompts, references, strict=True):
+            assert out.token_ids == reference_greedy(reference, prompt, 5)
+        engine.update_lora("a", peft.get_peft_model_state_dict(models[0]))
+        engine.remove_lora("b")
+        assert [info.name for info in engine.list_loras()] == ["a"]
+
+
 # -- refusals -----------------------------------------------------------------------------
 
 
@@ -328,3 +365,48 @@ def test_lora_off_says_so():
     with EngineCore(make_tiny_model("llama"), EngineConfig(block_size=4, max_loras=0)) as engine:
         with pytest.raises(ValueError, match="max_loras=0"):
             engine.add_lora("a", "/nonexistent")
+
+
+# -- bfloat16 and quantized bases ---------------------------------------------------------
+
+
+def _prompt_logprobs(model, prompt, adapter=None) -> torch.Tensor:
+    """Each prompt token's logprob under a cbgen engine on ``model`` (with ``adapter``)."""
+    with EngineCore(model, EngineConfig(block_size=4)) as engine:
+        if adapter is not None:
+            engine.add_lora("a", adapter)
+        params = SamplingParams(max_new_tokens=1, prompt_logprobs=0)
+        engine.add_request(prompt, params, request_id="r", lora="a" if adapter else None)
+        out = run_until_done(engine)["r"]
+    return torch.tensor([d[t] for d, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
+
+
+def _reference_logprobs(model, prompt) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    logprobs = torch.log_softmax(logits, -1)
+    return torch.tensor([logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))])
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
+def test_adapters_on_reduced_precision_bases(mode):
+    """The adapter's delta lands on the bfloat16 and quantized paths (the fast decoder):
+    its logprobs are as far from the float32 peft model's as the base's own rounding
+    moves the base, and far from the base's."""
+    from cbgen.executor.cpu.quantization import quantize_model
+
+    base = make_tiny_model("llama")
+    adapter = make_adapter(base, 5, r=8, lora_alpha=16, target_modules="all-linear")
+    reduced = copy.deepcopy(base)
+    if mode == "bfloat16":
+        reduced = reduced.to(torch.bfloat16)
+    else:
+        quantize_model(reduced, mode)
+    for prompt in random_prompts(2, 20, 30, seed=3):
+        want = _reference_logprobs(adapter, prompt)
+        got = _prompt_logprobs(copy.deepcopy(reduced), prompt, adapter)
+        base_got = _prompt_logprobs(copy.deepcopy(reduced), prompt)
+        rounding = (base_got - _reference_logprobs(base, prompt)).abs().mean().item()
+        error = (got - want).abs().mean().item()
+        assert error <= 1.5 * rounding + 0.02
+        assert error < 0.5 * (base_got - want).abs().mean().item()

@@ -312,7 +312,7 @@ def test_step_exception_fails_its_requests_and_the_engine_goes_on(llama):
         # A rule only the core knows about also ends the request with "error".
         real_add = engine.core.add_request
 
-        def picky_add(prompt, params, request_id):
+        def picky_add(prompt, params, request_id, **options):
             raise ValueError(f"request {request_id!r}: not today")
 
         engine.core.add_request = picky_add

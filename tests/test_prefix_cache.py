@@ -7,7 +7,12 @@ from conftest import make_tiny_model, random_prompts, reference_greedy
 
 import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.cache.prefix_cache import hash_block, hash_blocks, prefix_caching_unsupported_reason
+from cbgen.cache.prefix_cache import (
+    extend_block_hashes,
+    hash_block,
+    hash_blocks,
+    prefix_caching_unsupported_reason,
+)
 
 
 def _shared_prefix_prompts(prefix_len: int, count: int, seed: int) -> list[list[int]]:
@@ -37,6 +42,18 @@ def test_block_hash_is_stable_and_chained():
     first, second = hash_blocks([1, 2, 3, 4, 5], 2)  # the partial tail block has no hash
     assert second == hash_block(first, [3, 4]) != hash_block(b"", [3, 4])
     assert hash_blocks([9, 9, 3, 4], 2)[1] != second, "a block's hash covers its whole prefix"
+
+
+def test_a_salt_starts_another_chain():
+    """A LoRA adapter's requests hash from their own root: equal tokens, other digests,
+    for every block (the chain carries the root along)."""
+    tokens = list(range(12))
+    plain = extend_block_hashes([], tokens, 4, 3)
+    assert plain == hash_blocks(tokens, 4)
+    salted = extend_block_hashes([], tokens, 4, 3, salt=b"lora:a:1")
+    assert not set(salted) & set(plain)
+    assert salted == extend_block_hashes([], tokens, 4, 3, salt=b"lora:a:1")
+    assert not set(salted) & set(extend_block_hashes([], tokens, 4, 3, salt=b"lora:a:2"))
 
 
 @pytest.mark.parametrize("policy", ["fifo", "prefill_first"])

@@ -125,6 +125,11 @@ class Loras:
             for loaded in self._loras.values()
         ]
 
+    @property
+    def lora_names(self) -> frozenset[str]:
+        """The names of the adapters held (any thread may read it)."""
+        return frozenset(self._loras)
+
     def update_lora(
         self,
         name: str,

@@ -151,23 +151,32 @@ class ModuleLora:
             self.a[slot].zero_()
             self.b[slot].zero_()
 
-    def add_to(self, x: torch.Tensor, out: torch.Tensor, rows: LoraRows) -> None:
+    def add_to(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        rows: LoraRows,
+        picked: torch.Tensor | None = None,
+    ) -> None:
         """``out[r] += scale * B(A(x[r]))`` for every row ``r`` of an adapter, in place;
-        ``x`` ``[rows, in]``, ``out`` ``[rows, out]`` (a column view of a fused output
-        is fine)."""
+        ``x`` ``[rows, in]`` in this module's dtype, ``out`` ``[rows, out]`` (a column
+        view of a fused output is fine). ``picked``: ``x``'s rows gathered by
+        ``rows.gather`` (``[slots, width, in]``), shared by fused siblings."""
         if self.rank == 0:
             return
-        if x.dtype != self.dtype:
-            x = x.to(self.dtype)
         if rows.whole:
             slot = rows.slots[0]
-            out.addmm_(x @ self.a[slot].t(), self.b[slot].t())
+            if out.dtype == self.dtype:
+                out.addmm_(x @ self.a[slot].t(), self.b[slot].t())
+            else:
+                out.add_((x @ self.a[slot].t()) @ self.b[slot].t())
             return
         assert rows.gather is not None and rows.mask is not None
         a, b = self.a, self.b
         if len(rows.slots) != self.num_slots:
             a, b = a.index_select(0, rows.slot_index), b.index_select(0, rows.slot_index)
-        picked = x.index_select(0, rows.gather).view(len(rows.slots), rows.width, -1)
+        if picked is None:
+            picked = gather_rows(x, rows)
         hidden = torch.bmm(picked, a.transpose(1, 2))
         hidden.mul_(self._mask(rows))
         delta = torch.bmm(hidden, b.transpose(1, 2)).view(-1, self.out_features)
@@ -176,6 +185,12 @@ class ModuleLora:
     def _mask(self, rows: LoraRows) -> torch.Tensor:
         assert rows.mask is not None
         return rows.mask if rows.mask.dtype == self.dtype else rows.mask.to(self.dtype)
+
+
+def gather_rows(x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+    """``x``'s rows of each slot, padded: ``[slots, width, in]``."""
+    assert rows.gather is not None
+    return x.index_select(0, rows.gather).view(len(rows.slots), rows.width, -1)
 
 
 class MapLora:
@@ -197,8 +212,12 @@ class MapLora:
                 f"cbgen LoRA: {name} was called on {x2.shape[0]} rows in a step of "
                 f"{rows.num_rows}; adapters on this module are not supported"
             )
+        dtype = self.members[0][1].dtype
+        if x2.dtype != dtype:
+            x2 = x2.to(dtype)
+        picked = None if rows.whole else gather_rows(x2, rows)
         for columns, module in self.members:
-            module.add_to(x2, out2[:, columns], rows)
+            module.add_to(x2, out2[:, columns], rows, picked)
 
 
 def wrap_module_forward(module: nn.Module, lora: MapLora) -> None:

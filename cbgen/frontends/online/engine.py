@@ -20,6 +20,7 @@ import torch
 
 from ...core.config import EngineConfig
 from ...core.engine_core import EngineCore
+from ...core.loras import LoraInfo
 from ...core.weights import NamedTensors
 from ...sampling.params import SamplingParams
 from .loop import ABORT, ADD, BARRIER, CALL, CLOSE, EngineLoop
@@ -144,6 +145,7 @@ class Engine:
         timeout: float | None = None,
         skip_special_tokens: bool | None = None,
         spaces_between_special_tokens: bool = True,
+        lora: str | None = None,
     ) -> str:
         """Queue a request and return its id; an invalid one raises ``ValueError`` here.
 
@@ -157,7 +159,7 @@ class Engine:
         request's text (``cbgen.frontends.online.text.TextOptions``). With ``params.logprobs``
         / ``params.prompt_logprobs`` the outputs carry them (``OnlineRequestOutput``).
         Raises ``EngineOverloadedError`` when the queue bounds of ``EngineConfig`` are
-        reached.
+        reached. ``lora`` names an adapter ``add_lora`` loaded (None: the base model).
         """
         params = params if params is not None else SamplingParams()
         if timeout is not None and not (
@@ -177,8 +179,12 @@ class Engine:
             params = dataclasses.replace(params, stop=None)
         stops = stop_matcher(rid, stop, self.tokenizer, params.include_stop_str_in_output)
         prompt_ids = self._validate(rid, prompt, params)
+        if lora is not None and lora not in self.core.lora_names:  # the loop checks it again
+            known = ", ".join(sorted(self.core.lora_names)) or "none"
+            raise ValueError(f"request {rid!r}: unknown LoRA adapter {lora!r} (loaded: {known})")
         deadline = None if timeout is None else time.monotonic() + timeout
         request = RequestRecord(rid, prompt_ids, params, deadline)
+        request.lora = lora
         if self._decoders is not None:
             skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
             options = TextOptions(bool(skip), bool(spaces_between_special_tokens))
@@ -267,6 +273,25 @@ class Engine:
     def wake(self) -> None:
         """``EngineCore.wake``: the KV cache back and the loop stepping again."""
         self._call(EngineCore.wake)
+
+    # -- LoRA adapters: the core's methods, run on the loop thread --------------------------
+
+    def add_lora(self, name: str, source: Any, *, adapter_name: str | None = None) -> None:
+        """``EngineCore.add_lora`` between two steps."""
+        self._call(lambda core: core.add_lora(name, source, adapter_name=adapter_name))
+
+    def remove_lora(self, name: str) -> None:
+        """``EngineCore.remove_lora`` between two steps."""
+        self._call(lambda core: core.remove_lora(name))
+
+    def list_loras(self) -> list[LoraInfo]:
+        """``EngineCore.list_loras``, read between two steps."""
+        return list(self._call(EngineCore.list_loras))
+
+    def update_lora(self, name: str, tensors: Any) -> int:
+        """``EngineCore.update_lora`` between two steps: every token after it comes from
+        the new adapter weights (the base executor is not rebuilt)."""
+        return int(self._call(lambda core: core.update_lora(name, tensors)))
 
     def _call(self, method: Callable[[EngineCore], Any]) -> Any:
         future: futures.Future[Any] = futures.Future()

@@ -129,7 +129,9 @@ class EngineLoop:
         if kind == ADD:
             request: RequestRecord = arg
             try:
-                self.core.add_request(request.prompt, request.params, request.request_id)
+                self.core.add_request(
+                    request.prompt, request.params, request.request_id, lora=request.lora
+                )
             except Exception as exc:  # the core has a rule the caller's check did not
                 self._publish([self._final(request, FinishReason.ERROR, str(exc))])
                 return False

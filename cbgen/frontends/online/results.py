@@ -56,12 +56,14 @@ class RequestRecord:
         "final",
         "sink",
         "waiters",
+        "lora",
     )
 
     def __init__(
         self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float | None
     ) -> None:
         self.request_id = request_id
+        self.lora: str | None = None  # the LoRA adapter it runs under (None: the base)
         self.prompt = prompt
         self.params = params
         self.deadline = deadline  # time.monotonic() past which it finishes with "timeout"
