@@ -1,7 +1,8 @@
 """Multi-LoRA throughput against the base model, and adapter updates against a refresh.
 
     .venv/bin/python bench/lora.py [--workload short64] [--adapters 8] [--rank 16]
-        [--repeats 3] [--threads 2] [--dtype float32|bfloat16] [--save-adapters DIR]
+        [--targets all-linear|q_proj,v_proj] [--repeats 3] [--threads 2]
+        [--dtype float32|bfloat16] [--save-adapters DIR] [--peers vllm]
 
 The bundled SmolLM2 runs the workload's prompts (greedy, ``ignore_eos``, the workload's
 ``max_new_tokens``) on one engine, in three modes that alternate within each repeat, so
@@ -9,7 +10,8 @@ drift on a noisy machine hits them alike:
 
 - ``base``: every prompt on the base model;
 - ``mixed``: prompt ``i`` under adapter ``i % adapters`` (random rank-``rank`` adapters on
-  every linear map, as PEFT's ``all-linear`` targets them): every step mixes all adapters;
+  ``--targets``: every linear map by default, as PEFT's ``all-linear`` targets them; PEFT's
+  own default for Llama is ``q_proj,v_proj``): every step mixes all adapters;
 - ``single``: every prompt under adapter 0.
 
 It prints each mode's median output tokens per second and its ratio to ``base``. Then
@@ -42,10 +44,16 @@ from cbgen.core.engine_core import EngineCore
 from cbgen.sysmem import cache_dir
 
 
-def make_adapters(model: torch.nn.Module, count: int, rank: int, folder: Path) -> list[str]:
-    """``count`` random PEFT adapters of rank ``rank`` on every linear map, saved."""
+def make_adapters(
+    model: torch.nn.Module, count: int, rank: int, folder: Path, targets: str = "all-linear"
+) -> list[str]:
+    """``count`` random PEFT adapters of rank ``rank`` on ``targets`` (PEFT's
+    ``all-linear``, or module names separated by commas), saved."""
     config = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=targets if targets == "all-linear" else targets.split(","),
+        init_lora_weights=False,
     )
     adapted = peft.get_peft_model(copy.deepcopy(model), config)
     paths = []
@@ -79,6 +87,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--save-adapters", type=Path, default=None)
+    parser.add_argument(
+        "--targets",
+        default="all-linear",
+        help="the adapters' target modules: all-linear (every map), or names such as "
+        "q_proj,v_proj (PEFT's default for Llama)",
+    )
     parser.add_argument("--peers", default="", help="vllm: run vLLM's multi-LoRA after cbgen")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,11 +104,11 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=workload.max_new_tokens, ignore_eos=True)
     folder = args.save_adapters or Path(tempfile.mkdtemp(prefix="cbgen-lora-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
-    adapters = make_adapters(model, args.adapters, args.rank, folder)
+    adapters = make_adapters(model, args.adapters, args.rank, folder, args.targets)
     print(
         f"SmolLM2 {args.dtype}, {args.workload}: {len(prompts)} prompts, "
-        f"{workload.max_new_tokens} new tokens, {args.adapters} adapters of rank {args.rank}, "
-        f"{args.threads} threads"
+        f"{workload.max_new_tokens} new tokens, {args.adapters} adapters of rank {args.rank} "
+        f"on {args.targets}, {args.threads} threads"
     )
 
     config = EngineConfig(max_loras=args.adapters, max_lora_rank=args.rank)

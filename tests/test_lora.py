@@ -86,6 +86,9 @@ MIXES = [
     pytest.param({}, id="plain"),
     pytest.param(dict(max_batch_tokens=8), id="chunked"),
     pytest.param(dict(num_blocks=24, max_batch_tokens=32), id="preempted"),
+    pytest.param(
+        dict(num_blocks=24, max_batch_tokens=32, preemption_mode="swap"), id="preempted-swap"
+    ),
     pytest.param(dict(async_scheduling=True), id="async"),
     pytest.param(dict(prepack_linear=False), id="torch-linear"),
 ]

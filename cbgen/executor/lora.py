@@ -36,8 +36,10 @@ class LoraRows:
     ``slots``: the slots with rows, ascending (``slot_index`` on the device). For the
     batched path, ``gather`` ``[len(slots) * width]`` lists each slot's rows padded to
     ``width`` with row 0, and ``mask`` ``[len(slots), width, 1]`` is 1 on real rows and
-    0 on padding, so a padded row adds exactly zero. ``whole``: one slot holds every
-    row in order (no gather, no scatter).
+    0 on padding, so a padded position's product is exactly zero. ``scatter``
+    ``[num_rows]`` is where each row's product sits in that padded layout (a base row:
+    a padded position), so the products come back to the rows with one contiguous
+    gather. ``whole``: one slot holds every row in order (no gather, no scatter).
     """
 
     num_rows: int
@@ -47,6 +49,7 @@ class LoraRows:
     mask: torch.Tensor | None
     width: int
     whole: bool
+    scatter: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -65,12 +68,19 @@ class LoraRows:
         first = by_slot[slots[0]]
         if len(slots) == 1 and len(first) == num_rows:
             return cls(num_rows, slots, slot_index, None, None, num_rows, whole=True)
-        width = max(len(rows) for rows in by_slot.values())
+        sizes = [len(by_slot[slot]) for slot in slots]
+        width = max(sizes)
+        if sum(sizes) < num_rows and min(sizes) == width:
+            width += 1  # base rows need a padded position to read their zero from
+        zero = sizes.index(min(sizes)) * width + width - 1  # a padded position
         gather: list[int] = []
         mask: list[float] = []
-        for slot in slots:
+        scatter = [zero] * num_rows
+        for index, slot in enumerate(slots):
             rows = by_slot[slot]
             pad = width - len(rows)
+            for offset, row in enumerate(rows):
+                scatter[row] = index * width + offset
             gather += rows + [0] * pad
             mask += [1.0] * len(rows) + [0.0] * pad
         return cls(
@@ -81,6 +91,7 @@ class LoraRows:
             torch.tensor(mask, device=device).view(len(slots), width, 1),
             width,
             whole=False,
+            scatter=torch.tensor(scatter, dtype=torch.long, device=device),
         )
 
 
@@ -116,7 +127,7 @@ class ModuleLora:
         self.rank = 0
         self.a = torch.zeros(num_slots, 0, in_features, dtype=dtype)
         self.b = torch.zeros(num_slots, out_features, 0, dtype=dtype)
-        self._masks: dict[int, torch.Tensor] = {}
+        self.version = 0  # bumped by every change, for the stacks fused maps combine
 
     def to(self, device: torch.device) -> None:
         self.a, self.b = self.a.to(device), self.b.to(device)
@@ -135,6 +146,7 @@ class ModuleLora:
         layouts), ``scale`` folded into ``b``."""
         rank = int(a.shape[0])
         self._grow(rank)
+        self.version += 1
         with torch.no_grad():
             if rank < self.rank:  # the padding past this adapter's rank must be zeros
                 self.a[slot, rank:, :].zero_()
@@ -147,58 +159,77 @@ class ModuleLora:
                 b_slot.copy_(b.detach().to(torch.float32) * scale)
 
     def clear(self, slot: int) -> None:
+        self.version += 1
         with torch.no_grad():
             self.a[slot].zero_()
             self.b[slot].zero_()
 
-    def add_to(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        rows: LoraRows,
-        picked: torch.Tensor | None = None,
-    ) -> None:
-        """``out[r] += scale * B(A(x[r]))`` for every row ``r`` of an adapter, in place;
-        ``x`` ``[rows, in]`` in this module's dtype, ``out`` ``[rows, out]`` (a column
-        view of a fused output is fine). ``picked``: ``x``'s rows gathered by
-        ``rows.gather`` (``[slots, width, in]``), shared by fused siblings."""
-        if self.rank == 0:
-            return
-        if rows.whole:
-            slot = rows.slots[0]
-            if out.dtype == self.dtype:
-                out.addmm_(x @ self.a[slot].t(), self.b[slot].t())
-            else:
-                out.add_((x @ self.a[slot].t()) @ self.b[slot].t())
-            return
-        assert rows.gather is not None and rows.mask is not None
-        a, b = self.a, self.b
-        if len(rows.slots) != self.num_slots:
-            a, b = a.index_select(0, rows.slot_index), b.index_select(0, rows.slot_index)
-        if picked is None:
-            picked = gather_rows(x, rows)
-        hidden = torch.bmm(picked, a.transpose(1, 2))
-        hidden.mul_(self._mask(rows))
-        delta = torch.bmm(hidden, b.transpose(1, 2)).view(-1, self.out_features)
-        out.index_add_(0, rows.gather, delta.to(out.dtype))
-
-    def _mask(self, rows: LoraRows) -> torch.Tensor:
-        assert rows.mask is not None
-        return rows.mask if rows.mask.dtype == self.dtype else rows.mask.to(self.dtype)
+    def add_to(self, x: torch.Tensor, out: torch.Tensor, rows: LoraRows) -> None:
+        """``out[r] += scale * B(A(x[r]))`` for every row ``r`` of an adapter, in place
+        (see ``add_products``)."""
+        if self.rank:
+            add_products(self.a, self.b, x, out, rows)
 
 
-def gather_rows(x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
-    """``x``'s rows of each slot, padded: ``[slots, width, in]``."""
-    assert rows.gather is not None
-    return x.index_select(0, rows.gather).view(len(rows.slots), rows.width, -1)
+def add_products(
+    a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, out: torch.Tensor, rows: LoraRows
+) -> None:
+    """``out[r] += B_s(A_s(x[r]))`` for every row ``r`` of slot ``s``, in place, from the
+    stacks ``a`` ``[slots, rank, in]`` and ``b`` ``[slots, out, rank]`` (scale in ``b``);
+    ``x`` ``[rows, in]`` in the stacks' dtype, ``out`` ``[rows, out]`` (a column view is
+    fine)."""
+    if rows.whole:
+        hidden = x @ a[rows.slots[0]].t()
+    else:
+        hidden = _hidden(a, x, rows)
+    _add_b(b, hidden, out, rows)
+
+
+def _hidden(a: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+    """``A_s(x[r])`` in the padded layout ``[slots, width, rank]``, zero on padding."""
+    assert rows.gather is not None and rows.mask is not None
+    if len(rows.slots) != a.shape[0]:
+        a = a.index_select(0, rows.slot_index)
+    picked = x.index_select(0, rows.gather).view(len(rows.slots), rows.width, -1)
+    hidden = torch.bmm(picked, a.transpose(1, 2))
+    mask = rows.mask if rows.mask.dtype == a.dtype else rows.mask.to(a.dtype)
+    return hidden.mul_(mask)
+
+
+def _add_b(b: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor, rows: LoraRows) -> None:
+    """``out[r] += B_s(hidden)`` for ``hidden`` from ``_hidden`` (or ``[rows, rank]`` when
+    one slot holds every row)."""
+    if rows.whole:
+        b_slot = b[rows.slots[0]].t()
+        if out.dtype == b.dtype:
+            out.addmm_(hidden, b_slot)
+        else:
+            out.add_(hidden @ b_slot)
+        return
+    assert rows.scatter is not None
+    if len(rows.slots) != b.shape[0]:
+        b = b.index_select(0, rows.slot_index)
+    delta = torch.bmm(hidden, b.transpose(1, 2)).view(-1, b.shape[1])
+    # A contiguous gather back to the rows, then an add (into a fused output's column
+    # view too): index_add_ into such a view runs element by element.
+    out.add_(delta.index_select(0, rows.scatter))
 
 
 class MapLora:
     """The adapters of one linear map: one module's, or those of fused siblings (q/k/v,
-    gate/up) whose outputs sit side by side (``columns``)."""
+    gate/up) whose outputs sit side by side (``columns``).
+
+    Fused siblings share the first half: their ``A`` stacks side by side along the rank
+    make one gather and one batched product for all of them; each then runs its own
+    ``B`` product into its columns. (A block-diagonal ``B`` over the whole output would
+    be one product fewer, but reading its zero blocks costs more than the call saves: at
+    decode the adapters' cost is the bytes of their stacks.) The combined ``A`` is made
+    again when a sibling's changes."""
 
     def __init__(self, members: Sequence[tuple[slice, ModuleLora]]) -> None:
         self.members = tuple(members)
+        self._versions: tuple[int, ...] = ()
+        self._a: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         rows = _ROWS.get(None)
@@ -212,12 +243,34 @@ class MapLora:
                 f"cbgen LoRA: {name} was called on {x2.shape[0]} rows in a step of "
                 f"{rows.num_rows}; adapters on this module are not supported"
             )
-        dtype = self.members[0][1].dtype
-        if x2.dtype != dtype:
-            x2 = x2.to(dtype)
-        picked = None if rows.whole else gather_rows(x2, rows)
+        first = self.members[0][1]
+        if x2.dtype != first.dtype:
+            x2 = x2.to(first.dtype)
+        if len(self.members) == 1:
+            columns, module = self.members[0]
+            if module.rank:
+                add_products(module.a, module.b, x2, out2[:, columns], rows)
+            return
+        a = self._combined_a()
+        if not a.shape[1]:
+            return
+        if rows.whole:
+            hidden = x2 @ a[rows.slots[0]].t()
+        else:
+            hidden = _hidden(a, x2, rows)
+        start = 0
         for columns, module in self.members:
-            module.add_to(x2, out2[:, columns], rows, picked)
+            end = start + module.rank
+            if end > start:
+                _add_b(module.b, hidden[..., start:end], out2[:, columns], rows)
+            start = end
+
+    def _combined_a(self) -> torch.Tensor:
+        versions = tuple(module.version for _, module in self.members)
+        if versions != self._versions or self._a is None:
+            self._a = torch.cat([module.a for _, module in self.members], dim=1)
+            self._versions = versions
+        return self._a
 
 
 def wrap_module_forward(module: nn.Module, lora: MapLora) -> None:
