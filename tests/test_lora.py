@@ -164,6 +164,21 @@ def test_update_lora_in_place(llama_adapters):
     assert out.token_ids == reference_greedy(trained, prompt, 6)
 
 
+def test_adapters_survive_a_rebuild_of_the_base(llama_adapters):
+    """refresh(), pause()/resume() and sleep()/wake() build the packed base again; the
+    adapters hook onto the new maps."""
+    base, folders, models = llama_adapters
+    prompt = random_prompts(1, 7, 8, seed=14)[0]
+    want = reference_greedy(models[0], prompt, 5)
+    with EngineCore(copy.deepcopy(base), EngineConfig(block_size=4)) as engine:
+        engine.add_lora("a", folders[0])
+        for change in (engine.refresh, lambda: (engine.pause(), engine.resume()), engine.wake):
+            change()
+            engine.add_request(prompt, SamplingParams(max_new_tokens=5), request_id="r", lora="a")
+            assert run_until_done(engine)["r"].token_ids == want
+            engine.sleep()
+
+
 def test_update_lora_restarts_running_requests(llama_adapters):
     base, folders, models = llama_adapters
     prompt = random_prompts(1, 9, 10, seed=12)[0]
