@@ -236,12 +236,20 @@ ARCH_TARGETS = {
     "gpt_neox": "all-linear",
     "opt": "all-linear",
     "phi": "all-linear",
+    "qwen2_moe": "all-linear",  # attention, the router and the shared expert (not experts)
 }
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_TARGETS))
 def test_architectures_match_peft(arch, tmp_path):
-    base = make_tiny_model(arch)
+    if arch == "qwen2_moe":
+        from architectures import build_config
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(build_config(arch)).eval()
+    else:
+        base = make_tiny_model(arch)
     folders, models = [], []
     for index, settings in enumerate(
         [dict(r=4, lora_alpha=8), dict(r=8, lora_alpha=8, use_rslora=True)]
@@ -337,6 +345,20 @@ def test_unsupported_adapter_kinds_are_refused(tmp_path):
             engine.add_lora("emb", str(tmp_path / "emb"))
         with pytest.raises(ValueError, match="not a PEFT adapter folder"):
             engine.add_lora("none", str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "jamba"])
+def test_experts_and_state_layers_are_refused(arch, tmp_path):
+    from architectures import build_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(build_config(arch)).eval()
+    make_adapter(base, 1, r=4, target_modules="all-linear").save_pretrained(tmp_path)
+    reason = "mixture-of-experts experts" if arch == "mixtral" else "inside a state layer"
+    with EngineCore(base, EngineConfig(block_size=4)) as engine:
+        with pytest.raises(ValueError, match=reason):
+            engine.add_lora("a", str(tmp_path))
 
 
 def test_gpt2_conv1d_is_refused(tmp_path):

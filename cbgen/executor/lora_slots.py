@@ -60,6 +60,8 @@ class LoraSlots:
 
     def target(self, name: str) -> nn.Module:
         """The module ``name`` if an adapter may target it; else ``ValueError`` saying why."""
+        if ".experts." in f".{name}.":
+            raise ValueError(f"{name}: LoRA on mixture-of-experts experts is not supported")
         module = self._named.get(name)
         if module is None:
             raise ValueError(f"the base model has no module {name!r}")
@@ -70,8 +72,6 @@ class LoraSlots:
                 f"{name} is a {type(module).__name__}; cbgen applies LoRA to linear maps "
                 "(nn.Linear) only"
             )
-        if ".experts." in f".{name}.":
-            raise ValueError(f"{name}: LoRA on mixture-of-experts experts is not supported")
         for state in self._state_modules:
             if name.startswith(state + "."):
                 raise ValueError(f"{name}: LoRA inside a state layer ({state}) is not supported")
