@@ -7,6 +7,7 @@ from .frontends.generate import generate_batch
 from .frontends.online import Engine, EngineClosedError, EngineOverloadedError
 from .models.loader import load_model
 from .requests.request import Completion, FinishReason, RequestOutput
+from .rl.peft_rollouts import PeftRollouts
 from .rl.rollout import Rollout, rollout
 from .sampling.params import SamplingParams
 from .sampling.structured import StructuredOutput
@@ -21,6 +22,7 @@ __all__ = [
     "EngineOverloadedError",
     "FinishReason",
     "LoraInfo",
+    "PeftRollouts",
     "RequestOutput",
     "Rollout",
     "SamplingParams",

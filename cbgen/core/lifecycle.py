@@ -42,6 +42,8 @@ class Lifecycle:
     _weights: WeightVersions
     _paused: bool
     _asleep: bool
+    # Paused by ``pause(keep_weights=True)``: the executor's copies are kept, detached.
+    _weights_kept: bool = False
     _held: list[RequestOutput]
     _in_flight: _InFlight | None
     _settle_in_flight: Callable[[], list[RequestOutput]]
@@ -69,29 +71,47 @@ class Lifecycle:
         self._forget_kv()
         if not self._paused:
             self._rebuild_executor()
+        self._drop_kept_weights()  # copies of the old weights: resume() builds afresh
         self._weights.mark()
 
-    def pause(self) -> None:
+    def pause(self, *, keep_weights: bool = False) -> None:
         """Give the model its own forward and attention back (to train it, or call it),
         keeping the KV cache; requests wait. ``step()`` raises until ``resume()``.
-        The packed weight copies are freed."""
+
+        The packed weight copies are freed, unless ``keep_weights``: then they stay (the
+        memory of a second copy of the weights while paused) and ``resume()`` only puts
+        cbgen's forwards back, in milliseconds rather than a rebuild, if the weights did
+        not change meanwhile. That is the pause of LoRA training, whose base is frozen
+        and whose adapter ``update_lora`` syncs; a base weight that changed anyway is
+        still noticed and the executor rebuilt."""
         if self._paused:
+            if not keep_weights:
+                self._drop_kept_weights()
             return
         if self._in_flight is not None:
             self._held += self._settle_in_flight()
         if self.proposer is not None:
             self.proposer.pause()
-        self.executor.release_weights()
+        if keep_weights:
+            self.executor.detach_weights()
+            self._weights_kept = True
+        else:
+            self.executor.release_weights()
         self._paused = True
 
     def resume(self) -> None:
         """Back to generating after ``pause()`` (or ``sleep()``): the executor is built
-        again from the weights as they are now; if they changed, the K/V of every request
-        is computed again and the prefix cache starts empty."""
+        again from the weights as they are now (after ``pause(keep_weights=True)``, its
+        kept copies serve again if the weights did not change); if they changed, the K/V
+        of every request is computed again and the prefix cache starts empty."""
         if not self._paused:
             return
         stale = self._weights.changed()
-        self._rebuild_executor()
+        if self._weights_kept and not stale:
+            self._attach_kept_weights()
+        else:
+            self._drop_kept_weights()
+            self._rebuild_executor()
         if self._asleep:
             self._allocate_memory()
             self._asleep = False
@@ -104,7 +124,7 @@ class Lifecycle:
         """``pause()`` and free the KV cache (and swap space) too, for a training step
         that needs the memory; unfinished requests compute their K/V again after
         ``wake()``."""
-        self.pause()
+        self.pause()  # frees copies a pause(keep_weights=True) kept, too
         if self._asleep:
             return
         self._forget_kv()
@@ -130,6 +150,21 @@ class Lifecycle:
         self.scheduler.kv.reset_prefix_cache()
         if self.proposer is not None:
             self.proposer.reset()
+
+    def _attach_kept_weights(self) -> None:
+        """The executor kept by ``pause(keep_weights=True)`` serves again (its adapters
+        hooked back on), and the draft's runner is built again."""
+        self.executor.attach_weights()
+        if self.proposer is not None:
+            self.proposer.resume()
+        self._weights_kept = False
+
+    def _drop_kept_weights(self) -> None:
+        """The copies ``pause(keep_weights=True)`` kept are freed (their weights changed,
+        or the caller wants the memory): ``resume()`` builds the executor again."""
+        if self._weights_kept:
+            self.executor.release_weights()
+            self._weights_kept = False
 
     def _rebuild_executor(self) -> None:
         """A new runner from the model's current weights (the old one closed)."""

@@ -205,6 +205,20 @@ class ModelExecutor:
             self.loras.detach()
         self.runner.close()
 
+    def detach_weights(self) -> None:
+        """Give the model its own forward and attention back, keeping the packed copies
+        and the adapters' slots for ``attach_weights`` (valid while the weights do not
+        change: the caller checks)."""
+        if self.loras is not None:
+            self.loras.detach()
+        self.runner.detach()
+
+    def attach_weights(self) -> None:
+        """Serve again from the copies ``detach_weights`` kept, adapters hooked back on."""
+        self.runner.attach()
+        if self.loras is not None and self.loras.modules:
+            self.loras.attach(self.runner.packed_linears)
+
     def rebuild(self) -> None:
         """A new runner and sampler from the model's weights as they are now (the old
         runner closed); the cache tensors and the adapters are kept."""

@@ -40,6 +40,9 @@ class Executor:
     that runs the forward). ``describe()`` says which serves each role and why
     the others refused; it is logged at INFO. ``close()`` undoes what the
     backends did and restores the model's own attention implementation.
+    ``detach()`` gives the model its own module forwards and attention back but keeps
+    every copy the backends made (packed weights, the fast path's plan); ``attach()``
+    puts cbgen's back, with nothing rebuilt.
 
     ``use_native_kernels`` allows the native CPU kernels (``cbgen.executor.cpu.kernels``, loaded
     through ``kernels``); ``prepack_linear`` is ``EngineConfig.prepack_linear``.
@@ -62,6 +65,11 @@ class Executor:
         self._fast: Any = None
         self._module_forward: Any = None  # HFModules(model).forward once built
         self.state_mixers: StateMixers | None = None
+        # What this executor puts on the model's modules (``detach``/``attach``): each
+        # module's instance forward before and after the backends were applied.
+        self._forwards: list[tuple[torch.nn.Module, Any, Any]] = []
+        self._detached = False
+        before = _instance_forwards(model)
         attention.register()
         self._original_attention = self.model.config._attn_implementation
         self.model.set_attn_implementation(attention.ATTENTION_NAME)
@@ -88,6 +96,11 @@ class Executor:
                 self.adapter if isinstance(self.adapter, HFModules) else HFModules(model)
             ).forward
             self.fast_forward = getattr(self.adapter, "fast_forward", None)
+            self._forwards = [
+                (module, before.get(module), forward)
+                for module, forward in _instance_forwards(model).items()
+                if before.get(module) is not forward
+            ]
         except BaseException:
             self.close()
             raise
@@ -185,6 +198,33 @@ class Executor:
         with torch.inference_mode():
             return self._forward(batch)
 
+    # -- lending the model out ----------------------------------------------------------
+
+    def detach(self) -> None:
+        """Give the model its own module forwards and attention implementation back, as
+        ``close()`` does, but keep every copy made from its weights (prepacked maps, the
+        fast path, the probe), so ``attach()`` serves again without rebuilding anything.
+        Only valid while those weights do not change (the frozen base of LoRA training):
+        the caller checks that before ``attach()`` and builds a new executor otherwise."""
+        if self._detached or self._original_attention is None:
+            return
+        for module, previous, _ in self._forwards:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = previous
+        self.model.set_attn_implementation(self._original_attention)
+        self._detached = True
+
+    def attach(self) -> None:
+        """cbgen's attention and module forwards back on the model after ``detach()``."""
+        if not self._detached:
+            return
+        self.model.set_attn_implementation(attention.ATTENTION_NAME)
+        for module, _, forward in self._forwards:
+            module.__dict__["forward"] = forward
+        self._detached = False
+
     def close(self) -> None:
         """Give the model back its own linear maps, state layers and attention implementation
         (idempotent; also after a failed construction, whose error it never hides).
@@ -200,3 +240,14 @@ class Executor:
         if self._original_attention is not None:
             self.model.set_attn_implementation(self._original_attention)
             self._original_attention = None
+        self._forwards = []
+        self._detached = False
+
+
+def _instance_forwards(model: torch.nn.Module) -> dict[torch.nn.Module, Any]:
+    """Every module of ``model`` whose instance overrides ``forward``, and that override."""
+    return {
+        module: module.__dict__["forward"]
+        for module in model.modules()
+        if "forward" in module.__dict__
+    }

@@ -5,6 +5,11 @@ every sampled token, shaped for the loss.
 model is the trainer's again when it returns) or on an open ``EngineCore`` (kept across
 training steps: ``pause``/``sleep`` it for the training step and ``resume``/``wake`` it
 after; it notices the new weights and computes every K/V again).
+
+A ``peft`` model (LoRA) is run as its base model plus the adapter in one of cbgen's LoRA
+slots, its peft wrappers stepped aside for the call (``cbgen.rl.peft_target``); across
+training steps ``cbgen.rl.peft_rollouts.PeftRollouts`` keeps the packed base and syncs
+only the adapter.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ..core.config import EngineConfig
 from ..core.engine_core import EngineCore
 from ..core.input_processor import fan_out
 from ..sampling.params import SamplingParams
+from .peft_target import POLICY, PeftTarget, engine_config, is_peft_model
 
 
 @dataclass
@@ -73,13 +79,17 @@ def rollout(
     *,
     config: EngineConfig | None = None,
     tokenizer: Any = None,
+    lora: str | None = None,
 ) -> Rollout:
     """Sample ``num_samples`` completions of every prompt (token ids) with ``params``
     (default: temperature 1, 64 new tokens) and return them with the logprob of each
     sampled token. Sample ``i`` of a seeded ``params`` uses ``seed + i``.
 
     ``model`` is a ``transformers`` model (an engine with ``config`` is built for this
-    call) or an open ``EngineCore``, which must have no other unfinished requests."""
+    call), a ``peft`` model with one active LoRA adapter (the engine runs its base model,
+    the adapter in a LoRA slot; the peft model is as it was when this returns), or an
+    open ``EngineCore``, which must have no other unfinished requests; ``lora`` names
+    the engine's adapter to sample under (None: the base model)."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
     params = params if params is not None else SamplingParams(temperature=1.0, max_new_tokens=64)
@@ -89,13 +99,27 @@ def rollout(
         raise ValueError("give the samples per prompt as num_samples, not params.n")
     params = dataclasses.replace(params, n=num_samples, logprobs=params.logprobs or 0)
     if isinstance(model, EngineCore):
-        return _sample(model, prompts, params, num_samples)
+        return _sample(model, prompts, params, num_samples, lora)
+    if lora is not None:
+        raise ValueError("lora names an adapter of an open EngineCore; pass the engine")
+    if is_peft_model(model):
+        target = PeftTarget(model)
+        with (
+            target.lent() as base,
+            EngineCore(base, engine_config(config, target), tokenizer) as engine,
+        ):
+            engine.add_lora(POLICY, target.adapter)
+            return _sample(engine, prompts, params, num_samples, POLICY)
     with EngineCore(model, config, tokenizer) as engine:
         return _sample(engine, prompts, params, num_samples)
 
 
 def _sample(
-    engine: EngineCore, prompts: Sequence[Sequence[int]], params: SamplingParams, samples: int
+    engine: EngineCore,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    samples: int,
+    lora: str | None = None,
 ) -> Rollout:
     if engine.has_unfinished():
         raise ValueError("rollout needs an engine with no unfinished requests")
@@ -103,7 +127,7 @@ def _sample(
     try:
         for index, prompt in enumerate(prompts):
             for i, sample in enumerate(fan_out(f"rollout-{index}", params)):
-                order.append(engine.add_request(prompt, sample, f"rollout-{index}.{i}"))
+                order.append(engine.add_request(prompt, sample, f"rollout-{index}.{i}", lora=lora))
     except ValueError:
         for request_id in order:
             engine.abort(request_id)
