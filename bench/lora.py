@@ -129,9 +129,10 @@ def main() -> None:
                 rates[mode].append(tokens / elapsed)
         report("cbgen", rates)
 
+        targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
         adapted = peft.get_peft_model(
             copy.deepcopy(model),
-            peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear"),
+            peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets),
         )
         state = peft.get_peft_model_state_dict(adapted)
         updates = []
