@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ...core.config import EngineConfig
+from ..args.lora import add_lora_arguments, lora_modules
 from ..args.precision import add_precision_arguments
 from ..args.structured import add_structured_arguments, structured_output
 
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     parser.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_lora_arguments(parser)
 
 
 def batch_command(args: argparse.Namespace) -> int:
@@ -75,7 +77,10 @@ def batch_command(args: argparse.Namespace) -> int:
                 max_num_seqs=args.max_num_seqs,
                 max_batch_tokens=args.max_batch_tokens,
                 kv_cache_dtype=args.kv_cache_dtype,
+                max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank,
             ),
+            "lora_modules": lora_modules(args),
         }
         report = run_batch_job(
             args.input,

@@ -48,6 +48,8 @@ class Generator:
 
     ``threads`` sets torch's thread count for the process (an actor's CPUs); ``dtype``
     (``"bfloat16"``...), ``quantization`` and ``device`` are ``cbgen.load_model``'s.
+    ``lora_modules`` (name -> PEFT adapter folder) are loaded at once; a row's ``lora``
+    names the one it runs under (an unknown name fails that row only).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Generator:
         quantization: str | None = None,
         device: str = "cpu",
         config: EngineConfig | None = None,
+        lora_modules: Mapping[str, str] | None = None,
     ) -> None:
         from ..args.precision import load_worker_model
         from ..online import Engine
@@ -79,6 +82,15 @@ class Generator:
             model, threads=threads, dtype=dtype, quantization=quantization, device=device
         )
         self.engine = Engine(loaded, self.tokenizer, config, max_retained_results=RETAINED_RESULTS)
+        try:
+            for name, path in (lora_modules or {}).items():
+                try:
+                    self.engine.add_lora(name, path)
+                except ValueError as exc:
+                    raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
+        except BaseException:
+            self.engine.close()
+            raise
         self._calls = itertools.count()
         # Fast tokenizers may refuse a second thread mid-call ("Already borrowed"); a
         # row's tokenization is microseconds next to its generation.
@@ -99,7 +111,10 @@ class Generator:
                     continue
                 try:
                     added[index] = self.engine.add_request(
-                        request.prompt_token_ids, request.params, request_id=f"{call}-{index}"
+                        request.prompt_token_ids,
+                        request.params,
+                        request_id=f"{call}-{index}",
+                        lora=request.lora,
                     )
                 except ValueError as exc:  # the engine's checks: vocabulary, context, values
                     results[index] = error_fields(strip_request_prefix(str(exc)))

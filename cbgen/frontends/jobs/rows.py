@@ -45,6 +45,7 @@ OUTPUT_FIELDS = ("text", "token_ids", "finish_reason", "error")
 class RowRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: str | None = None  # the LoRA adapter (one of the job's ``--lora-modules``)
 
 
 def plain(value: Any) -> Any:
@@ -92,11 +93,14 @@ def row_request(row: Mapping[str, Any], defaults: SamplingParams, tokenizer: Any
     constraint = {k: v for k, v in constraint.items() if v is not None and v is not False}
     if constraint:
         params = dataclasses.replace(params, structured_output=StructuredOutput(**constraint))
+    lora = plain(row.get("lora"))
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise ValueError(f"`lora` must name an adapter of the job (--lora-modules), got {lora!r}")
     if prompt is not None:
         if not isinstance(prompt, str):
             raise ValueError(f"`prompt` must be text, got {type(prompt).__name__}")
-        return RowRequest(list(tokenizer(prompt)["input_ids"]), params)
-    return RowRequest(_chat_token_ids(tokenizer, messages), params)
+        return RowRequest(list(tokenizer(prompt)["input_ids"]), params, lora)
+    return RowRequest(_chat_token_ids(tokenizer, messages), params, lora)
 
 
 def output_fields(output: RequestOutput) -> dict[str, Any]:

@@ -10,9 +10,10 @@ limits), ``translate`` (an OpenAI body into prompts and ``SamplingParams``), ``c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -85,6 +86,8 @@ class _Server:
         self.calls = Calls(engine, self.metrics, fair_share_choices)
         self.token_strings = TokenStrings(tokenizer)  # logprobs' token texts, cached
         self.draining = False  # no new calls (SIGTERM)
+        self.loras: dict[str, str] = {}  # LoRA adapters served, by name: their folder
+        self.translator.adapters = self.loras.keys
 
     @property
     def jobs(self) -> set[Call]:
@@ -124,7 +127,8 @@ class _Server:
 
     async def run(self, work: Translated, t0: float, request: Request) -> Any:
         writer = ChoiceWriter(work.report, self.token_strings, work.chat, work.prompts, work.n)
-        call = Call(work, ResponseShape.new(work.chat, self.model_name, writer), t0)
+        model = work.model or self.model_name  # responses name what the call asked for
+        call = Call(work, ResponseShape.new(work.chat, model, writer), t0)
         return await self.calls.run(call, request)
 
     def health(self) -> JSONResponse:
@@ -144,9 +148,55 @@ class _Server:
                     "created": 0,
                     "owned_by": "cbgen",
                     "max_model_len": self.max_model_len,
-                }
+                },
+                *(
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "cbgen",
+                        "root": path,
+                        "parent": self.model_name,
+                        "max_model_len": self.max_model_len,
+                    }
+                    for name, path in self.loras.items()
+                ),
             ],
         }
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        """``{"lora_name", "lora_path"}``: serve another adapter (400 with the reason)."""
+        body = await self.read_json(request)
+        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        if name == self.model_name or name in self.loras:
+            raise APIError(400, f"The model {name!r} is already served.", "lora_name")
+        try:
+            await asyncio.to_thread(self.engine.add_lora, name, path)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "lora_path") from None
+        self.loras[name] = path
+        return JSONResponse({"status": "ok", "lora_name": name})
+
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        """``{"lora_name"}``: stop serving an adapter (400 while calls use it)."""
+        name = _field(await self.read_json(request), "lora_name")
+        if name not in self.loras:
+            raise APIError(404, f"The LoRA adapter {name!r} is not served.", "lora_name")
+        try:
+            await asyncio.to_thread(self.engine.remove_lora, name)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "lora_name") from None
+        del self.loras[name]
+        return JSONResponse({"status": "ok", "lora_name": name})
+
+
+def _field(body: Any, name: str) -> str:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{name} must be a non-empty string.", name)
+    return value
 
 
 def create_app(
@@ -163,6 +213,8 @@ def create_app(
     tokenizer_threads: int = 2,
     body_timeout: float = 30.0,
     fair_share_choices: int = 8,
+    lora_modules: Mapping[str, str] | None = None,
+    enable_lora_runtime_updates: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (started here if it is not running).
 
@@ -177,6 +229,10 @@ def create_app(
     The choices of one call past its first ``fair_share_choices`` (prompts × ``n``) run
     one priority lower, so a wide call yields slots to other calls (a waiting request of
     higher priority preempts running ones) instead of starving them.
+    ``lora_modules`` (name -> PEFT adapter folder) are loaded now (``ValueError`` naming
+    the first that cannot be) and served under their names: a call's ``model`` picks
+    one. ``enable_lora_runtime_updates`` adds ``POST /v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` (behind the API key).
     The caller owns the engine and closes it after the server stops.
     """
     if tokenizer is None:
@@ -200,6 +256,14 @@ def create_app(
         body_timeout,
         fair_share_choices,
     )
+    for name, path in (lora_modules or {}).items():
+        if name == model_name:
+            raise ValueError(f"--lora-modules {name}={path}: the base model is served as {name!r}")
+        try:
+            engine.add_lora(name, path)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
+        server.loras[name] = str(path)
     app = FastAPI(title="cbgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cbgen = server
     auth = [Depends(server.authorize)]
@@ -238,6 +302,16 @@ def create_app(
     @app.get("/v1/models", dependencies=auth)
     async def models() -> Any:
         return server.models()
+
+    if enable_lora_runtime_updates:
+
+        @app.post("/v1/load_lora_adapter", dependencies=auth)
+        async def load_lora_adapter(request: Request) -> Any:
+            return await server.load_lora_adapter(request)
+
+        @app.post("/v1/unload_lora_adapter", dependencies=auth)
+        async def unload_lora_adapter(request: Request) -> Any:
+            return await server.unload_lora_adapter(request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -101,6 +101,7 @@ class Calls:
                         f"{job.id}-{len(job.rids)}",
                         stop=work.stop,
                         timeout=job.timeout,
+                        lora=work.lora,
                         **work.text_options,
                     )
                     job.rids.append(rid)

@@ -8,6 +8,7 @@ import logging
 import os
 
 from ...core.config import EngineConfig
+from ..args.lora import add_lora_arguments, lora_modules
 from ..args.precision import add_precision_arguments, load_model_for
 from ..args.speculative import add_speculative_arguments, speculative_config
 from .guard import LOOPBACK_HOSTS
@@ -107,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="connections and tasks at once; 503 past it (default 1024)",
     )
+    add_lora_arguments(parser, runtime_updates=True)
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -145,7 +147,10 @@ def serve(args: argparse.Namespace) -> int:
         max_queued_tokens=args.max_queued_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative=speculative_config(args),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
+    adapters = lora_modules(args)
     engine = Engine(
         model,
         tokenizer,
@@ -170,6 +175,8 @@ def serve(args: argparse.Namespace) -> int:
             allowed_hosts=allowed_hosts,
             body_timeout=args.body_timeout,
             fair_share_choices=args.fair_share_choices,
+            lora_modules=adapters,
+            enable_lora_runtime_updates=args.enable_lora_runtime_updates,
         )
         server = make_server(
             app,

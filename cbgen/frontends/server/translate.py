@@ -10,7 +10,7 @@ is an ``APIError`` in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +59,8 @@ class Translated:
     timeout: float | None
     report: Report
     text_options: dict[str, bool]  # ``Engine.add_request``'s special-token keywords
+    model: str = ""  # the model the call named (the base's, or a LoRA adapter's)
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base)
 
 
 class Translator:
@@ -78,6 +80,8 @@ class Translator:
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # The LoRA adapters' names, read per call (adapters may come and go at run time).
+        self.adapters: Callable[[], Collection[str]] = frozenset
         self.max_model_len = max_model_len
         self.max_choices = max_choices
         self.max_tokens_limit = max_tokens_limit
@@ -92,7 +96,7 @@ class Translator:
     async def completion(self, body: Any) -> Translated:
         """A ``/v1/completions`` body: one or several prompts, text or token ids."""
         req: CompletionRequest = parse(CompletionRequest, body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         check_unsupported(req, COMPLETION_NEUTRAL, best_of_ok=req.n or 1)
         n = self.num_choices(req, self.num_prompts(req.prompt))
         stop = self.stops(req)
@@ -125,12 +129,14 @@ class Translator:
             req.timeout,
             report,
             text_options(req),
+            req.model,
+            lora,
         )
 
     async def chat(self, body: Any) -> Translated:
         """A ``/v1/chat/completions`` body: one conversation, through the chat template."""
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         check_unsupported(req, CHAT_NEUTRAL)
         messages = chat_messages(req.messages)
         n = self.num_choices(req, 1)
@@ -160,18 +166,26 @@ class Translator:
             req.timeout,
             report,
             text_options(req),
+            req.model,
+            lora,
         )
 
     # -- checks ---------------------------------------------------------------------------
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist; this server serves {self.model_name!r}.",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for anything else."""
+        if model == self.model_name:
+            return None
+        adapters = self.adapters()
+        if model in adapters:
+            return model
+        served = ", ".join(repr(name) for name in [self.model_name, *sorted(adapters)])
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {served}.",
+            param="model",
+            code="model_not_found",
+        )
 
     def prompt_logprobs(self, req: Any) -> int | None:
         count = check_count("prompt_logprobs", req.prompt_logprobs)
