@@ -4,9 +4,10 @@ A step may mix rows of several adapters and base rows. The base GEMM runs once f
 row (prepacked, quantized, or the module's own ``F.linear``); each adapted map then adds
 ``scale * B(A(x))`` to the rows of each adapter. Adapters live in slots: for every module
 an adapter targets, ``ModuleLora`` stacks the ``A`` and ``B`` of every slot
-(``[slots, in, rank]`` and ``[slots, rank, out]``, ranks padded with zeros, the scale
+(``[slots, rank, in]`` and ``[slots, out, rank]``, ranks padded with zeros, the scale
 folded into ``B``), so a step's adapters are one gather of the input rows, two batched
-matrix products and one scatter-add per map, whatever the number of adapters or requests:
+matrix products and one gather-and-add back per map, whatever the number of adapters or
+requests:
 no Python loop per request or per adapter.
 
 The rows of each adapter come from the step (``LoraRows``, built by the batch builder from
@@ -224,7 +225,7 @@ class MapLora:
     ``B`` product into its columns. (A block-diagonal ``B`` over the whole output would
     be one product fewer, but reading its zero blocks costs more than the call saves: at
     decode the adapters' cost is the bytes of their stacks.) The combined ``A`` is made
-    again when a sibling's changes."""
+    again when a sibling's stacks change."""
 
     def __init__(self, members: Sequence[tuple[slice, ModuleLora]]) -> None:
         self.members = tuple(members)
