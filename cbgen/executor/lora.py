@@ -7,8 +7,7 @@ an adapter targets, ``ModuleLora`` stacks the ``A`` and ``B`` of every slot
 (``[slots, rank, in]`` and ``[slots, out, rank]``, ranks padded with zeros, the scale
 folded into ``B``), so a step's adapters are one gather of the input rows, two batched
 matrix products and one gather-and-add back per map, whatever the number of adapters or
-requests:
-no Python loop per request or per adapter.
+requests: no Python loop per request or per adapter.
 
 The rows of each adapter come from the step (``LoraRows``, built by the batch builder from
 each scheduled request's slot) and reach the maps through a context variable set around
