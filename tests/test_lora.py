@@ -284,6 +284,14 @@ def test_the_online_engine_serves_adapters(llama_adapters):
         engine.update_lora("a", peft.get_peft_model_state_dict(models[0]))
         engine.remove_lora("b")
         assert [info.name for info in engine.list_loras()] == ["a"]
+        # Paused with the packed base kept (LoRA training), then an adapter update.
+        runner = engine.core.executor.runner
+        engine.pause(keep_weights=True)
+        engine.update_lora("a", peft.get_peft_model_state_dict(models[0]))
+        engine.resume()
+        assert engine.core.executor.runner is runner
+        again = engine.get_result(engine.add_request(prompts[0], params, lora="a"), timeout=60)
+        assert again.token_ids == reference_greedy(models[0], prompts[0], 5)
 
 
 # -- refusals -----------------------------------------------------------------------------

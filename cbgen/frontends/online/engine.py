@@ -257,10 +257,11 @@ class Engine:
         """``EngineCore.refresh`` between two steps (after changing weights in place)."""
         self._call(EngineCore.refresh)
 
-    def pause(self) -> None:
+    def pause(self, *, keep_weights: bool = False) -> None:
         """``EngineCore.pause``: the loop stops stepping (requests wait, new ones queue) and
-        the model gets its own forward back, until ``resume()``."""
-        self._call(EngineCore.pause)
+        the model gets its own forward back, until ``resume()``. ``keep_weights`` keeps
+        the packed copies for a quick ``resume()`` (LoRA training: a frozen base)."""
+        self._call(lambda core: core.pause(keep_weights=keep_weights))
 
     def resume(self) -> None:
         """``EngineCore.resume``: the loop steps again, from the weights as they are now."""
