@@ -369,6 +369,28 @@ def test_experts_and_state_layers_are_refused(arch, tmp_path):
             engine.add_lora("a", str(tmp_path))
 
 
+def test_malformed_folders_are_value_errors(tmp_path):
+    """Whatever is wrong with a folder, the reader says so with a ValueError (the server
+    answers it with a 400), and never asks the Hub for a folder without weights."""
+    from cbgen.core.lora_source import read_adapter
+
+    cases = {
+        "not-json": ("{", "not JSON"),
+        "a-list": ("[1, 2]", "not a JSON object"),
+        "bad-alpha": ('{"lora_alpha": "x"}', "lora_alpha must be a number"),
+        "bad-pattern": ('{"alpha_pattern": [1]}', "alpha_pattern must be an object"),
+        "no-weights": ("{}", "no adapter weights"),
+    }
+    for name, (config, message) in cases.items():
+        folder = tmp_path / "org" / name  # a Hub-shaped relative name must not go online
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(config)
+        with pytest.raises(ValueError, match=message):
+            read_adapter(folder)
+    with pytest.raises(ValueError, match="cannot read the folder|not a PEFT adapter folder"):
+        read_adapter("/" + "x" * 5000)
+
+
 def test_gpt2_conv1d_is_refused(tmp_path):
     base = make_tiny_model("gpt2")
     make_adapter(base, 1, r=4, target_modules=["c_attn"]).save_pretrained(tmp_path)

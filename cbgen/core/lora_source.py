@@ -57,13 +57,17 @@ def read_adapter(source: Any, adapter_name: str | None = None) -> AdapterSource:
     )
 
 
-def _read_folder(path: Path) -> AdapterSource:
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
-    from peft.utils import load_peft_weights
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
-    config = json.loads(config_file.read_text())
+
+def _read_folder(path: Path) -> AdapterSource:
+    """The adapter in folder ``path``; ``ValueError`` for anything wrong with the folder
+    (unreadable, a malformed config, no weights file: never the Hub, never an OS error)."""
+    try:
+        config = _read_config(path)
+        weight_files = [path / name for name in WEIGHT_FILES if (path / name).is_file()]
+    except OSError as exc:  # a path the OS refuses (too long, no permission)
+        raise ValueError(f"{path}: cannot read the folder: {exc}") from None
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise ValueError(f"{path}: a {kind} adapter; cbgen applies LoRA adapters only")
@@ -76,21 +80,47 @@ def _read_folder(path: Path) -> AdapterSource:
             f"{path}: the adapter trains whole modules too (modules_to_save="
             f"{config['modules_to_save']}); cbgen serves LoRA weights only"
         )
+    alpha = _number(config.get("lora_alpha", 8), "lora_alpha", path)
+    alpha_pattern = config.get("alpha_pattern") or {}
+    if not isinstance(alpha_pattern, dict):
+        raise ValueError(f"{path}: alpha_pattern must be an object, got {alpha_pattern!r}")
+    rslora = bool(config.get("use_rslora", False))
+    if not weight_files:  # else peft would look for the name on the Hugging Face Hub
+        raise ValueError(f"{path}: no adapter weights ({' or '.join(WEIGHT_FILES)})")
+    from peft.utils import load_peft_weights
+
     try:
         tensors = load_peft_weights(str(path), device="cpu")
-    except Exception as exc:  # a missing or corrupt weights file
+    except Exception as exc:  # a corrupt weights file
         raise ValueError(f"{path}: cannot read the adapter's weights: {exc}") from None
     pairs = pair_tensors(tensors.items(), where=str(path))
-    alpha = float(config.get("lora_alpha", 8))
-    rslora = bool(config.get("use_rslora", False))
-    alpha_pattern = config.get("alpha_pattern") or {}
     weights = {}
     for name, (a, b) in pairs.items():
-        module_alpha = float(alpha_pattern.get(_pattern(alpha_pattern, name), alpha))
+        key = _pattern(alpha_pattern, name)
+        module_alpha = _number(alpha_pattern.get(key, alpha), f"alpha_pattern[{key!r}]", path)
         rank = int(a.shape[0])
         scale = module_alpha / math.sqrt(rank) if rslora else module_alpha / rank
         weights[name] = LoraWeights(a, b, scale)
     return AdapterSource(weights, str(path))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path}: not a PEFT adapter folder (no adapter_config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_file}: not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: not a JSON object")
+    return config
+
+
+def _number(value: Any, field: str, path: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{path}: {field} must be a number, got {value!r}")
+    return float(value)
 
 
 def _pattern(patterns: Mapping[str, Any], name: str) -> str:

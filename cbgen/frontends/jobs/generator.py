@@ -83,11 +83,7 @@ class Generator:
         )
         self.engine = Engine(loaded, self.tokenizer, config, max_retained_results=RETAINED_RESULTS)
         try:
-            for name, path in (lora_modules or {}).items():
-                try:
-                    self.engine.add_lora(name, path)
-                except ValueError as exc:
-                    raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
+            _load_adapters(self.engine, lora_modules or {})
         except BaseException:
             self.engine.close()
             raise
@@ -147,6 +143,16 @@ class Generator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _load_adapters(engine: Any, modules: Mapping[str, str]) -> None:
+    """Load the job's adapters before any row runs; ``ValueError`` naming the first that
+    cannot be loaded and why, so a job never writes rows without an adapter it was given."""
+    for name, path in modules.items():
+        try:
+            engine.add_lora(name, path)
+        except ValueError as exc:  # the reader names what is wrong with the folder
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
 
 
 def generator_defaults(options: Mapping[str, Any]) -> SamplingParams:

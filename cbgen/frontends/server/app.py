@@ -10,7 +10,6 @@ limits), ``translate`` (an OpenAI body into prompts and ``SamplingParams``), ``c
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Collection, Mapping
@@ -23,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..online import Engine
+from .adapters import ServedAdapters
 from .calls import Call, Calls
 from .choices import ChoiceWriter
 from .guard import LOOPBACK_HOSTS, APIGuard
@@ -86,8 +86,8 @@ class _Server:
         self.calls = Calls(engine, self.metrics, fair_share_choices)
         self.token_strings = TokenStrings(tokenizer)  # logprobs' token texts, cached
         self.draining = False  # no new calls (SIGTERM)
-        self.loras: dict[str, str] = {}  # LoRA adapters served, by name: their folder
-        self.translator.adapters = self.loras.keys
+        self.adapters = ServedAdapters(engine, model_name)  # LoRA adapters, by name
+        self.translator.adapters = self.adapters.names
 
     @property
     def jobs(self) -> set[Call]:
@@ -139,64 +139,22 @@ class _Server:
         return JSONResponse({"status": "engine not running"}, status_code=503)
 
     def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "cbgen",
-                    "max_model_len": self.max_model_len,
-                },
-                *(
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "cbgen",
-                        "root": path,
-                        "parent": self.model_name,
-                        "max_model_len": self.max_model_len,
-                    }
-                    for name, path in self.loras.items()
-                ),
-            ],
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "cbgen",
+            "max_model_len": self.max_model_len,
         }
+        return {"object": "list", "data": [base, *self.adapters.model_cards(self.max_model_len)]}
 
-    # -- LoRA adapters ----------------------------------------------------------------------
+    # -- LoRA adapters at run time (``enable_lora_runtime_updates``) ------------------------
 
     async def load_lora_adapter(self, request: Request) -> JSONResponse:
-        """``{"lora_name", "lora_path"}``: serve another adapter (400 with the reason)."""
-        body = await self.read_json(request)
-        name, path = _field(body, "lora_name"), _field(body, "lora_path")
-        if name == self.model_name or name in self.loras:
-            raise APIError(400, f"The model {name!r} is already served.", "lora_name")
-        try:
-            await asyncio.to_thread(self.engine.add_lora, name, path)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "lora_path") from None
-        self.loras[name] = path
-        return JSONResponse({"status": "ok", "lora_name": name})
+        return JSONResponse(await self.adapters.load(await self.read_json(request)))
 
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:
-        """``{"lora_name"}``: stop serving an adapter (400 while calls use it)."""
-        name = _field(await self.read_json(request), "lora_name")
-        if name not in self.loras:
-            raise APIError(404, f"The LoRA adapter {name!r} is not served.", "lora_name")
-        try:
-            await asyncio.to_thread(self.engine.remove_lora, name)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "lora_name") from None
-        del self.loras[name]
-        return JSONResponse({"status": "ok", "lora_name": name})
-
-
-def _field(body: Any, name: str) -> str:
-    value = body.get(name) if isinstance(body, dict) else None
-    if not isinstance(value, str) or not value:
-        raise APIError(400, f"{name} must be a non-empty string.", name)
-    return value
+        return JSONResponse(await self.adapters.unload(await self.read_json(request)))
 
 
 def create_app(
@@ -256,14 +214,11 @@ def create_app(
         body_timeout,
         fair_share_choices,
     )
-    for name, path in (lora_modules or {}).items():
-        if name == model_name:
-            raise ValueError(f"--lora-modules {name}={path}: the base model is served as {name!r}")
-        try:
-            engine.add_lora(name, path)
-        except ValueError as exc:
-            raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
-        server.loras[name] = str(path)
+    try:
+        server.adapters.load_at_start(lora_modules or {})
+    except BaseException:
+        server.close()  # the tokenizer pool; the caller still owns (and closes) the engine
+        raise
     app = FastAPI(title="cbgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.cbgen = server
     auth = [Depends(server.authorize)]

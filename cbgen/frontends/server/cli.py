@@ -6,6 +6,8 @@ import argparse
 import ipaddress
 import logging
 import os
+import sys
+from typing import Any
 
 from ...core.config import EngineConfig
 from ..args.lora import add_lora_arguments, lora_modules
@@ -126,7 +128,6 @@ def _is_loopback(host: str) -> bool:
 def serve(args: argparse.Namespace) -> int:
 
     from ..online import Engine
-    from .app import create_app
     from .lifecycle import make_server
 
     logging.getLogger("cbgen").setLevel(getattr(logging, args.log_level.upper()))
@@ -135,6 +136,10 @@ def serve(args: argparse.Namespace) -> int:
             "cbgen serve: binding %s without an API key: anyone who can reach it can use it",
             args.host,
         )
+    try:
+        adapters = lora_modules(args)  # before the model loads: a name given twice
+    except ValueError as exc:
+        return _refuse(exc)
     model, tokenizer = load_model_for(args)
     config = EngineConfig(
         block_size=args.block_size,
@@ -150,7 +155,6 @@ def serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
     )
-    adapters = lora_modules(args)
     engine = Engine(
         model,
         tokenizer,
@@ -160,24 +164,10 @@ def serve(args: argparse.Namespace) -> int:
     )
     app = None
     try:
-        allowed_hosts = None
-        if not args.api_key and not _is_loopback(args.host):
-            allowed_hosts = {args.host, *LOOPBACK_HOSTS}
-        app = create_app(
-            engine,
-            tokenizer,
-            args.served_model_name or args.model,
-            api_key=args.api_key or None,
-            max_body_bytes=args.max_body_bytes,
-            max_choices=args.max_choices,
-            max_tokens_limit=args.max_tokens_limit,
-            allowed_origins=args.allowed_origins,
-            allowed_hosts=allowed_hosts,
-            body_timeout=args.body_timeout,
-            fair_share_choices=args.fair_share_choices,
-            lora_modules=adapters,
-            enable_lora_runtime_updates=args.enable_lora_runtime_updates,
-        )
+        try:
+            app = _create_app(args, engine, tokenizer, adapters)
+        except ValueError as exc:  # an adapter that cannot be loaded, named with the reason
+            return _refuse(exc)
         server = make_server(
             app,
             host=args.host,
@@ -194,3 +184,36 @@ def serve(args: argparse.Namespace) -> int:
             app.state.cbgen.close()  # the tokenizer pool
         engine.close()
     return 0
+
+
+def _create_app(
+    args: argparse.Namespace, engine: Any, tokenizer: Any, adapters: dict[str, str]
+) -> Any:
+    """``create_app`` with the flags' settings; ``ValueError`` for an adapter that cannot
+    be loaded."""
+    from .app import create_app
+
+    allowed_hosts = None
+    if not args.api_key and not _is_loopback(args.host):
+        allowed_hosts = {args.host, *LOOPBACK_HOSTS}
+    return create_app(
+        engine,
+        tokenizer,
+        args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        max_choices=args.max_choices,
+        max_tokens_limit=args.max_tokens_limit,
+        allowed_origins=args.allowed_origins,
+        allowed_hosts=allowed_hosts,
+        body_timeout=args.body_timeout,
+        fair_share_choices=args.fair_share_choices,
+        lora_modules=adapters,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+    )
+
+
+def _refuse(exc: Exception) -> int:
+    """A start refused for a reason the flags can fix: the reason, no traceback."""
+    print(f"cbgen serve: {exc}", file=sys.stderr)
+    return 2
