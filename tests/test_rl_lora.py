@@ -202,6 +202,7 @@ def test_grpo_with_a_lora_peft_config_trains_on_kept_engine_rollouts(tmp_path, m
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from test_server import smollm2_tokenizer, tiny_model
+    from test_trl import GRPO_PROMPTS, grpo_args, reward_len
 
     from cbgen.rl.trl import grpo_rollout_func
 
@@ -226,31 +227,13 @@ def test_grpo_with_a_lora_peft_config_trains_on_kept_engine_rollouts(tmp_path, m
                 gaps.append(float((torch.tensor(logprobs) - want).abs().max()))
         return out
 
-    def reward_len(completions, **kwargs):
-        return [float(len(c)) / 40 for c in completions]
-
-    prompts = ["Count to five.", "Name a color.", "Say hello.", "Pick a number."]
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        learning_rate=1e-2,
-        temperature=1.0,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-    )
+    args = grpo_args(tmp_path)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=reward_len,
         args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        train_dataset=datasets.Dataset.from_dict({"prompt": GRPO_PROMPTS}),
         processing_class=tokenizer,
         rollout_func=rollout_func,
         peft_config=lora,

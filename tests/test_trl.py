@@ -14,6 +14,33 @@ from test_server import smollm2_tokenizer, tiny_model  # noqa: E402
 
 from cbgen.rl.trl import grpo_rollout_func  # noqa: E402
 
+GRPO_PROMPTS = ["Count to five.", "Name a color.", "Say hello.", "Pick a number."]
+
+
+def reward_len(completions, **kwargs):
+    """A reward that needs no model: longer completions score higher."""
+    return [float(len(c)) / 40 for c in completions]
+
+
+def grpo_args(tmp_path):
+    """Two GRPO steps of 4 prompts x 4 samples of 8 tokens on CPU: the smallest run that
+    rolls out, scores and trains twice."""
+    return trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        temperature=1.0,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
+
 
 def test_grpo_trainer_trains_on_cbgen_rollouts(tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -36,26 +63,8 @@ def test_grpo_trainer_trains_on_cbgen_rollouts(tmp_path, monkeypatch):
         assert (torch.tensor(out["logprobs"][0]) - want).abs().max() < 1e-4
         return out
 
-    def reward_len(completions, **kwargs):
-        return [float(len(c)) / 40 for c in completions]
-
-    prompts = ["Count to five.", "Name a color.", "Say hello.", "Pick a number."]
-    dataset = datasets.Dataset.from_dict({"prompt": prompts})
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        learning_rate=1e-2,
-        temperature=1.0,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-    )
+    dataset = datasets.Dataset.from_dict({"prompt": GRPO_PROMPTS})
+    args = grpo_args(tmp_path)
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=reward_len,
