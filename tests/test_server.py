@@ -865,3 +865,65 @@ def test_a_wide_call_yields_to_a_small_one(server):
         wait_idle(engine)
     finally:
         engine.close()
+
+
+def nested_schema(depth):
+    schema = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, ["nonsense"]),
+        ("guided_json", {"type": 5}, ["type"]),
+        ("guided_regex", "([a-z", ["regex", "unclosed"]),
+        ("guided_grammar", "root ::= (", ["grammar"]),
+        ("guided_json", {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}, ["too large"]),
+        ("guided_json", nested_schema(200), ["recursion"]),
+    ],
+)  # fmt: skip
+def test_structured_specs_that_cannot_compile_are_400(server, field, value, words):
+    """Each spec is compiled while the call is checked: a 400 naming the field, never a
+    500 from a request that failed in the engine."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value}
+    for path, key in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        if key == "messages":
+            body = {**body, "messages": [{"role": "user", "content": "hi"}]}
+            body.pop("prompt")
+        resp = server.http.post(path, json=body, headers=server.auth)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == field and error["message"].startswith(field), error
+        for word in words:
+            assert word in error["message"], error
+    wait_idle(server.engine)
+
+
+def test_a_bad_spec_fails_the_online_engines_add_request(server):
+    params = cbgen.SamplingParams(
+        max_new_tokens=2, structured_output=cbgen.StructuredOutput(regex="([a-z")
+    )
+    with pytest.raises(ValueError, match="unclosed"):
+        server.engine.add_request([5, 6, 7], params)
+
+
+def test_a_timed_out_call_finishes_with_an_openai_reason(server):
+    """``finish_reason`` takes OpenAI's values only; the timeout shows in ``finish_detail``."""
+    body = {**long_body(False), "timeout": 1e-9}
+    resp = server.http.post("/v1/completions", json=body, headers=server.auth)
+    choice = resp.json()["choices"][0]
+    assert (choice["finish_reason"], choice["finish_detail"]) == ("length", "timeout")
+    with server.http.stream(
+        "POST", "/v1/chat/completions", headers=server.auth,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
+              "stream": True, "timeout": 1e-9},
+    ) as resp:  # fmt: skip
+        chunks = [json.loads(e[6:]) for e in resp.iter_lines() if e and e != "data: [DONE]"]
+    last = chunks[-1]["choices"][0]
+    assert (last["finish_reason"], last["finish_detail"]) == ("length", "timeout")
+    plain = server.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert "finish_detail" not in plain.choices[0].model_dump(exclude_unset=True)
+    wait_idle(server.engine)

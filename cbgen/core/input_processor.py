@@ -9,6 +9,7 @@ a rule is written once and a bad request is refused the same way everywhere: wit
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ class InputProcessor:
         self.device = device or torch.device("cpu")
         self.eos_token_ids = eos_token_ids or set()
         self.grammars: GrammarCompiler | None = None  # built for the first grammar
+        self._grammar_lock = threading.Lock()
 
     def make_request(
         self, request_id: str, prompt_token_ids: Any, params: SamplingParams, arrival: int
@@ -62,10 +64,7 @@ class InputProcessor:
             )
         grammar = None
         if params.structured_output is not None:
-            try:
-                grammar = self._grammar_compiler().matcher(params.structured_output)
-            except ValueError as exc:
-                raise ValueError(f"request {request_id!r}: {exc}") from None
+            grammar = self._grammar_compiler().matcher(self.check_structured(request_id, params))
         request = Request(request_id, prompt, params, arrival)
         request.grammar = grammar
         if self.decode is not None:
@@ -76,7 +75,29 @@ class InputProcessor:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return request
 
+    def check_structured(self, request_id: str, params: SamplingParams) -> Any:
+        """Compile ``params.structured_output`` now (``ValueError`` naming ``request_id``
+        if it cannot be), so a front end refuses a bad schema, regex or grammar when the
+        request is added, never in a step. Compiled grammars are cached: the request's
+        own matcher later starts from this one. Returns the spec (``None``: none)."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        try:
+            self._grammar_compiler().compile(spec)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
+        except RecursionError:
+            raise ValueError(
+                f"request {request_id!r}: the structure is nested too deeply"
+            ) from None
+        return spec
+
     def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:  # front ends check requests on their own threads
+            return self._grammar_compiler_locked()
+
+    def _grammar_compiler_locked(self) -> GrammarCompiler:
         if self.grammars is None:
             if self.tokenizer is None:
                 raise ValueError(

@@ -200,10 +200,20 @@ class Engine:
         return f"req-{next(self._ids)}"
 
     def _validate(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        # The core's own rules; they read only immutable settings, so any thread may run them.
-        return self.core.input_processor.validate(
+        # The core's own rules; they read only immutable settings, so any thread may run
+        # them. A grammar is compiled here too (cached), so a bad one fails add_request.
+        processor = self.core.input_processor
+        ids = processor.validate(
             rid, prompt, params, one_sample="are not supported online; add one request per sample"
         )
+        processor.check_structured(rid, params)
+        return ids
+
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_output`` for this model now, on the caller's thread
+        (``ValueError`` saying what is wrong with it). ``add_request`` does the same; a
+        server calls this first off its event loop, so a large schema never stalls it."""
+        self.core.input_processor.check_structured("check", params)
 
     @property
     def num_queued(self) -> tuple[int, int]:

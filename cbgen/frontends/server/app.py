@@ -88,6 +88,7 @@ class _Server:
         self.draining = False  # no new calls (SIGTERM)
         self.adapters = ServedAdapters(engine, model_name)  # LoRA adapters, by name
         self.translator.adapters = self.adapters.names
+        self.translator.compile_structured = engine.check_structured_output
 
     @property
     def jobs(self) -> set[Call]:

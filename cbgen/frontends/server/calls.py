@@ -26,7 +26,7 @@ from ...core.input_processor import fan_out, strip_request_prefix
 from ...requests.request import FinishReason
 from ..online import Engine, EngineClosedError, EngineOverloadedError, OnlineRequestOutput
 from .metrics import ServerMetrics
-from .protocol import APIError, error_body, finish_reason_name
+from .protocol import APIError, error_body, finish_detail, finish_reason_name
 from .responses import ResponseShape, TimedStreamingResponse, sse
 from .translate import Translated
 
@@ -233,6 +233,8 @@ class Calls:
                         if writer is not None and writer.report.drop_generated:
                             reason = "length"
                     choice = shape.chunk_choice(index, text, reason, logprobs)
+                    if delta.finished:
+                        choice.update(finish_detail(delta.finish_reason))
                     yield sse({**head, "choices": [choice], **tail})
                 else:  # every delta read; not all finished if end_streams() cut it
                     if not job.done and self.shutting_down:

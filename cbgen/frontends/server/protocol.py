@@ -236,10 +236,20 @@ _FINISH = {
     "stop": "stop",
     "length": "length",
     "context_limit": "length",
-    "timeout": "timeout",  # the call's own ``timeout`` passed (not an OpenAI value)
+    "timeout": "length",  # cut short by the call's own ``timeout``: see finish_detail
 }
 
 
 def finish_reason_name(reason: Any) -> str:
-    """cbgen's ``FinishReason`` as OpenAI's ``finish_reason`` (``"abort"`` when cancelled)."""
+    """cbgen's ``FinishReason`` as OpenAI's ``finish_reason`` (``"abort"`` when cancelled).
+
+    Only OpenAI's values reach a client that finished normally: strict clients reject
+    others. A call cut short by its ``timeout`` is ``"length"`` (it ran out of its
+    budget, in time rather than tokens), and ``finish_detail`` says which."""
     return _FINISH.get(str(reason), "abort")
+
+
+def finish_detail(reason: Any) -> dict[str, str]:
+    """cbgen's extension field on a choice whose ``finish_reason`` hides the cause:
+    ``{"finish_detail": "timeout"}`` when the call's ``timeout`` passed, else nothing."""
+    return {"finish_detail": "timeout"} if str(reason) == "timeout" else {}

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from .choices import ChoiceWriter
-from .protocol import finish_reason_name
+from .protocol import finish_detail, finish_reason_name
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -98,7 +98,8 @@ class ResponseShape:
                     prompt_logprobs = extras.pop("prompt_logprobs")
             else:
                 choice = {"index": index, "text": text}
-            choices.append({**choice, **extras, "finish_reason": reason})
+            detail = finish_detail(final.finish_reason)
+            choices.append({**choice, **extras, "finish_reason": reason, **detail})
         body = {
             "id": self.call_id,
             "object": "chat.completion" if self.chat else "text_completion",

@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ...core.input_processor import strip_request_prefix
 from ...sampling.params import SamplingParams
-from .fields import check_count, penalties, structured_output
+from .fields import check_count, penalties, structured_output, structured_spec
 from .logprobs import Report
 from .protocol import (
     CHAT_NEUTRAL,
@@ -82,6 +83,9 @@ class Translator:
         self.model_name = model_name
         # The LoRA adapters' names, read per call (adapters may come and go at run time).
         self.adapters: Callable[[], Collection[str]] = frozenset
+        # Compiles a call's grammar for the engine (``Engine.check_structured_output``), on
+        # the tokenizer pool, so a spec that cannot compile is a 400 before the call runs.
+        self.compile_structured: Callable[[SamplingParams], None] | None = None
         self.max_model_len = max_model_len
         self.max_choices = max_choices
         self.max_tokens_limit = max_tokens_limit
@@ -118,6 +122,7 @@ class Translator:
             self.sampling(req, len(p), max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, report)
             for p in prompts
         ]
+        await self.check_structured(req, params[0])
         return Translated(
             False,
             prompts,
@@ -155,6 +160,7 @@ class Translator:
             prompt_logprobs=self.prompt_logprobs(req),
         )
         params = [self.sampling(req, len(prompt), max_tokens, None, report)]
+        await self.check_structured(req, params[0])
         return Translated(
             True,
             [prompt],
@@ -171,6 +177,19 @@ class Translator:
         )
 
     # -- checks ---------------------------------------------------------------------------
+
+    async def check_structured(self, req: Any, params: SamplingParams) -> None:
+        """400 naming the field when the call's structured-output spec does not compile
+        (a schema of a wrong type, a regex or grammar that does not parse, a schema past
+        the grammar engine's size or nesting limits)."""
+        if params.structured_output is None or self.compile_structured is None:
+            return
+        asked = structured_spec(req)
+        field = asked[0] if asked is not None else "response_format"
+        try:
+            await self.off_loop(self.compile_structured, params)
+        except ValueError as exc:
+            raise APIError(400, f"{field}: {strip_request_prefix(str(exc))}", param=field) from None
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 for anything else."""
