@@ -10,7 +10,7 @@ from .requests.request import Completion, FinishReason, RequestOutput
 from .rl.peft_rollouts import PeftRollouts
 from .rl.rollout import Rollout, rollout
 from .sampling.params import SamplingParams
-from .sampling.structured import StructuredOutput
+from .sampling.structured import ReasoningSection, StructuredOutput
 from .spec.speculative import SpeculativeConfig
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Rollout",
     "SamplingParams",
     "SpeculativeConfig",
+    "ReasoningSection",
     "StructuredOutput",
     "generate_batch",
     "load_model",

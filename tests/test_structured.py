@@ -17,7 +17,7 @@ from cbgen.sampling.grammar import (
     apply_bitmask,
     fill_bitmasks,
 )
-from cbgen.sampling.structured import StructuredOutput
+from cbgen.sampling.structured import ReasoningSection, StructuredOutput
 
 SCHEMA = {
     "type": "object",
@@ -424,3 +424,69 @@ def test_fill_bitmasks_matches_fill(compiler, tok, vocab):
         fill_bitmasks(matchers, allocate_bitmask(5, vocab + 64))
     with pytest.raises(ValueError, match="outside"):
         fill_bitmasks(matchers[:1], batched, [7])  # a raw-pointer write: checked first
+
+
+# -- a reasoning section before the grammar -----------------------------------------------
+
+
+def _allowed(matcher, vocab):
+    bitmask = allocate_bitmask(1, vocab)
+    matcher.fill(bitmask, 0)
+    logits = torch.zeros(1, vocab)
+    apply_bitmask(logits, bitmask)
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+def _ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_the_grammar_waits_for_the_end_of_reasoning(tok, vocab, compiler):
+    section = ReasoningSection(end="</think>", start="<think>")
+    spec = StructuredOutput(regex="[0-9]+", after_reasoning=section)
+    plain = compiler.matcher(StructuredOutput(regex="[0-9]+"))
+    matcher = compiler.matcher(spec)
+    start, end = _ids(tok, "<think>"), _ids(tok, "</think>")
+    assert len(start) > 1  # SmolLM2 spells the markers in several tokens
+    # first token: what the grammar allows, or the start marker's first token
+    assert _allowed(matcher, vocab) == _allowed(plain, vocab) | {start[0]}
+    assert matcher.accept(start[0]) and not matcher.active
+    # inside the start marker only its next token
+    assert _allowed(matcher, vocab) == {start[1]}
+    assert not matcher.accept(_ids(tok, "7")[0])
+    for token in start[1:]:
+        assert matcher.accept(token)
+    # inside the section: anything, letters and EOS included; the grammar waits
+    assert len(_allowed(matcher, vocab)) == vocab
+    for token in _ids(tok, "I think 3 plus 3 is 6.") + end:
+        assert matcher.accept(token)
+        assert not matcher.is_complete and not matcher.is_terminated
+    assert matcher.active
+    assert _allowed(matcher, vocab) == _allowed(plain, vocab)  # the grammar's start
+    assert not matcher.accept(_ids(tok, "x")[0])
+    assert matcher.accept(_ids(tok, "6")[0]) and matcher.is_complete
+    matcher.reset()
+    assert not matcher.active and _allowed(matcher, vocab) == _allowed(plain, vocab) | {start[0]}
+
+
+def test_an_output_that_does_not_open_the_section_is_the_grammars(tok, vocab, compiler):
+    spec = StructuredOutput(regex="[0-9]+", after_reasoning=ReasoningSection("</think>", "<think>"))
+    matcher = compiler.matcher(spec)
+    assert matcher.accept(_ids(tok, "4")[0]) and matcher.active and matcher.is_complete
+    refused = compiler.matcher(spec)
+    assert not refused.accept(_ids(tok, "x")[0])  # neither the marker nor the grammar's
+
+
+def test_a_section_open_from_the_start(tok, vocab, compiler):
+    spec = StructuredOutput(regex="[0-9]+", after_reasoning=ReasoningSection("</think>"))
+    matchers = [compiler.matcher(spec), compiler.matcher(StructuredOutput(regex="[a-z]+"))]
+    bitmask = allocate_bitmask(2, vocab)
+    fill_bitmasks(matchers, bitmask)  # the batched fill: gated rows fill themselves
+    assert bool((bitmask[0] == -1).all()) and not bool((bitmask[1] == -1).all())
+    for token in _ids(tok, "hmm") + _ids(tok, "</think>"):
+        assert matchers[0].accept(token)
+    fill_bitmasks(matchers, bitmask)
+    assert not bool((bitmask[0] == -1).all())
+    assert spec.key == StructuredOutput(regex="[0-9]+").key  # one compiled grammar
+    with pytest.raises(ValueError, match="end"):
+        StructuredOutput(regex="a", after_reasoning=ReasoningSection("")).validate()

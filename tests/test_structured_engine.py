@@ -153,3 +153,36 @@ def test_invalid_specs_fail_alone(smollm2, prompt):
         cbgen.generate_batch(
             model, [prompt], SamplingParams(structured_output=StructuredOutput(json_object=True))
         )
+
+
+def test_a_grammar_after_the_reasoning_section(smollm2):
+    """The model thinks freely (the same tokens as without a grammar, up to the end
+    marker), then the grammar governs the answer."""
+    model, tokenizer = smollm2
+    messages = [
+        {"role": "system", "content": "Think inside <think></think> first, then answer."},
+        {"role": "user", "content": "What is 2 plus 2?"},
+        {"role": "assistant", "content": "<think>2 plus 2 makes 4.</think>The answer is 4."},
+        {"role": "user", "content": "What is 3 plus 3?"},
+    ]
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    free = cbgen.generate_batch(
+        model, [prompt], SamplingParams(max_new_tokens=40), tokenizer=tokenizer
+    )[0].completions[0]
+    assert free.text.startswith("<think>") and "</think>" in free.text, free.text
+    thought = free.text[: free.text.index("</think>") + len("</think>")]
+    for section in (
+        cbgen.ReasoningSection("</think>", "<think>"),
+        cbgen.ReasoningSection("</think>"),
+    ):
+        spec = StructuredOutput(regex="[0-9]+ apples", after_reasoning=section)
+        (out,) = cbgen.generate_batch(
+            model, [prompt], SamplingParams(max_new_tokens=40, structured_output=spec),
+            tokenizer=tokenizer,
+        )  # fmt: skip
+        text = out.completions[0].text
+        assert text.startswith(thought), (text, thought)
+        assert re.fullmatch("[0-9]+ apples", text[len(thought) :]), text
+        assert out.completions[0].finish_reason == "eos"

@@ -136,6 +136,7 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos)
         self.cache_size = cache_size
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._hf_tokenizer = tokenizer
         self._bitmask_words = (vocab_size + 31) // 32
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -161,7 +162,19 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for one request."""
-        return GrammarMatcher(self.compile(spec))
+        compiled = self.compile(spec)
+        section = spec.after_reasoning
+        if section is None:
+            return GrammarMatcher(compiled)
+        start = None if section.start is None else self.marker_ids(section.start)
+        return GrammarMatcher(compiled, ReasoningGate(self.marker_ids(section.end), start))
+
+    def marker_ids(self, text: str) -> tuple[int, ...]:
+        """A marker's token ids, as the tokenizer encodes it alone."""
+        ids = self._hf_tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError(f"the marker {text!r} encodes to no tokens")
+        return tuple(int(t) for t in ids)
 
     def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
         import llguidance
@@ -194,20 +207,53 @@ class GrammarCompiler:
         return CompiledGrammar(key, grammar, self.vocab_size, self.eos_token_ids, template)
 
 
-class GrammarMatcher:
-    """One request's position in its grammar: which tokens may come next, and when it is done."""
+@dataclass(frozen=True)
+class ReasoningGate:
+    """``ReasoningSection``'s markers as token ids: the grammar waits until ``end``."""
 
-    def __init__(self, compiled: CompiledGrammar) -> None:
+    end: tuple[int, ...]
+    start: tuple[int, ...] | None  # None: the output begins inside the section
+
+
+_ACTIVE = -1  # the grammar governs (no gate, or the section is over)
+_REASONING = -2  # inside the section: every token allowed, watching for the end marker
+# 0 .. len(start) - 1: at the output's start, that many of the start marker's tokens seen
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: which tokens may come next, and when it is done.
+
+    With a ``ReasoningGate`` the grammar waits: every token is allowed inside the
+    reasoning section, and the grammar starts after the section's end marker."""
+
+    def __init__(self, compiled: CompiledGrammar, gate: ReasoningGate | None = None) -> None:
         self.compiled = compiled
         self.vocab_size = compiled.vocab_size
         self.eos_token_ids = compiled.eos_token_ids
         self._matcher = compiled.template.deep_copy()
+        self.gate = gate
+        self._state = self._initial_state()
+        self._tail: list[int] = []  # the last tokens of the section, to find its end
+
+    def _initial_state(self) -> int:
+        if self.gate is None:
+            return _ACTIVE
+        return _REASONING if self.gate.start is None else 0
+
+    @property
+    def active(self) -> bool:
+        """The grammar governs the next token (no reasoning section, or it has ended)."""
+        return self._state == _ACTIVE
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; ``False`` (state unchanged) if the grammar forbids it."""
         token_id = int(token_id)  # numpy and 0-d tensor ids too
         if not 0 <= token_id < self.vocab_size:
             return False
+        if self._state != _ACTIVE:
+            taken = self._gate_accept(token_id)
+            if taken is not None:
+                return taken
         if self._matcher.is_stopped():
             # Finished or failed: only EOS may follow (the library's validate_tokens
             # refuses even that, while its mask allows it).
@@ -217,13 +263,44 @@ class GrammarMatcher:
             return False
         return bool(self._matcher.consume_token(token_id))
 
+    def _gate_accept(self, token_id: int) -> bool | None:
+        """Advance the reasoning gate by one token: ``True`` taken, ``False`` refused,
+        ``None`` the grammar's to take (the output did not open the section)."""
+        gate = self.gate
+        assert gate is not None
+        if self._state == _REASONING:
+            self._tail = (self._tail + [token_id])[-len(gate.end) :]
+            if tuple(self._tail) == gate.end:
+                self._state = _ACTIVE
+            return True
+        start = gate.start
+        assert start is not None
+        seen = self._state
+        if token_id == start[seen]:
+            self._state = _REASONING if seen + 1 == len(start) else seen + 1
+            return True
+        if seen:
+            return False  # inside the start marker: only its next token
+        self._state = _ACTIVE  # no reasoning: the grammar takes this first token
+        return None
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (bit ``t % 32`` of word ``t // 32``)."""
         self._check(bitmask)
         target = bitmask[row]
         if not target.is_contiguous():
             raise ValueError("bitmask rows must be contiguous")
+        if self._state == _REASONING:
+            target.fill_(-1)
+            return
+        start = self.gate.start if self.gate is not None else None
+        if start is not None and self._state > 0:  # inside the start marker: its next token
+            target.zero_()
+            _allow(target, start[self._state])
+            return
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+        if start is not None and self._state == 0:  # the first token may open the section
+            _allow(target, start[0])
 
     def _check(self, bitmask: torch.Tensor) -> None:
         # The library writes through a raw pointer: a wrong buffer must fail here.
@@ -238,12 +315,12 @@ class GrammarMatcher:
     @property
     def is_terminated(self) -> bool:
         """The grammar cannot go on: only EOS is allowed now, or EOS was accepted."""
-        return bool(self._matcher.is_stopped())
+        return self._state == _ACTIVE and bool(self._matcher.is_stopped())
 
     @property
     def is_complete(self) -> bool:
         """The output so far matches the whole grammar (EOS is allowed), though it may go on."""
-        return bool(self._matcher.is_accepting())
+        return self._state == _ACTIVE and bool(self._matcher.is_accepting())
 
     @property
     def error(self) -> str | None:
@@ -255,6 +332,15 @@ class GrammarMatcher:
     def reset(self) -> None:
         """Back to the start (a preempted request that recomputes its tokens)."""
         self._matcher.reset()
+        self._state = self._initial_state()
+        self._tail = []
+
+
+def _allow(row: torch.Tensor, token_id: int) -> None:
+    """Set token ``token_id``'s bit in one bitmask row."""
+    word, bit = divmod(token_id, 32)
+    value = int(row[word].item()) | (1 << bit)
+    row[word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
 
 
 def fill_bitmasks(
@@ -275,9 +361,16 @@ def fill_bitmasks(
     if not bitmask.is_contiguous():
         raise ValueError("bitmask must be contiguous")
     targets = range(len(matchers)) if rows is None else rows
-    pairs = [(m._matcher, int(row)) for m, row in zip(matchers, targets, strict=True)]
-    if any(not 0 <= row < bitmask.shape[0] for _, row in pairs):
+    if any(not 0 <= int(row) < bitmask.shape[0] for row in targets):
         raise ValueError(f"a row is outside the bitmask's {bitmask.shape[0]} rows")
+    pairs = []
+    for matcher, row in zip(matchers, targets, strict=True):
+        if matcher.active:
+            pairs.append((matcher._matcher, int(row)))
+        else:  # a reasoning gate's row: filled by the matcher itself
+            matcher.fill(bitmask, int(row))
+    if not pairs:
+        return
     # llguidance.torch.fill_next_token_bitmask_par does the same, but importing that
     # module builds a torch.compile kernel (seconds of torch._dynamo import).
     _executor().unsafe_compute_mask_ptr(
