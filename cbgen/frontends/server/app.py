@@ -30,7 +30,9 @@ from .intake import DEFAULT_MAX_BODY_BYTES, check_api_key, read_json
 from .logprobs import TokenStrings
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, error_body
+from .reasoning import reasoning_parser_class
 from .responses import ResponseShape
+from .tool_parsers import tool_parser_class
 from .translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_PRIORITY,
@@ -129,7 +131,7 @@ class _Server:
     async def run(self, work: Translated, t0: float, request: Request) -> Any:
         writer = ChoiceWriter(work.report, self.token_strings, work.chat, work.prompts, work.n)
         model = work.model or self.model_name  # responses name what the call asked for
-        call = Call(work, ResponseShape.new(work.chat, model, writer), t0)
+        call = Call(work, ResponseShape.new(work.chat, model, writer, work.messages), t0)
         return await self.calls.run(call, request)
 
     def health(self) -> JSONResponse:
@@ -174,6 +176,8 @@ def create_app(
     fair_share_choices: int = 8,
     lora_modules: Mapping[str, str] | None = None,
     enable_lora_runtime_updates: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (started here if it is not running).
 
@@ -192,6 +196,10 @@ def create_app(
     the first that cannot be) and served under their names: a call's ``model`` picks
     one. ``enable_lora_runtime_updates`` adds ``POST /v1/load_lora_adapter`` and
     ``/v1/unload_lora_adapter`` (behind the API key).
+    ``tool_call_parser`` (``hermes``, ``llama3_json``, ``mistral`` or a name given to
+    ``register_tool_parser``) reads the model's own tool calls for ``tool_choice:
+    "auto"``; ``reasoning_parser`` (``deepseek_r1``, ``qwen3``) splits a chat answer's
+    thinking into ``reasoning_content`` (``ValueError`` for an unknown name).
     The caller owns the engine and closes it after the server stops.
     """
     if tokenizer is None:
@@ -203,6 +211,8 @@ def create_app(
     engine.start()
     if max_tokens_limit is not None and max_tokens_limit < 1:
         raise ValueError(f"max_tokens_limit must be positive, got {max_tokens_limit}")
+    tools = None if tool_call_parser is None else tool_parser_class(tool_call_parser)
+    reasoning = None if reasoning_parser is None else reasoning_parser_class(reasoning_parser)
     server = _Server(
         engine,
         tokenizer,
@@ -215,6 +225,8 @@ def create_app(
         body_timeout,
         fair_share_choices,
     )
+    server.translator.tool_parser = tools
+    server.translator.reasoning_parser = reasoning
     try:
         server.adapters.load_at_start(lora_modules or {})
     except BaseException:

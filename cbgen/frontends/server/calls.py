@@ -233,6 +233,8 @@ class Calls:
                         if writer is not None and writer.report.drop_generated:
                             reason = "length"
                     choice = shape.chunk_choice(index, text, reason, logprobs)
+                    if choice is None:
+                        continue
                     if delta.finished:
                         choice.update(finish_detail(delta.finish_reason))
                     yield sse({**head, "choices": [choice], **tail})

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ...core.config import EngineConfig
@@ -14,6 +15,8 @@ from ..args.lora import add_lora_arguments, lora_modules
 from ..args.precision import add_precision_arguments, load_model_for
 from ..args.speculative import add_speculative_arguments, speculative_config
 from .guard import LOOPBACK_HOSTS
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="connections and tasks at once; 503 past it (default 1024)",
     )
     add_lora_arguments(parser, runtime_updates=True)
+    chat = parser.add_argument_group("tools and reasoning (see docs/serving.md)")
+    chat.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="read the model's own tool calls for tool_choice 'auto' in this format",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split a chat answer's thinking into reasoning_content",
+    )
+    chat.add_argument(
+        "--chat-template",
+        help="a Jinja chat template file to use instead of the tokenizer's "
+        "(e.g. one that renders tools)",
+    )
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -140,7 +164,17 @@ def serve(args: argparse.Namespace) -> int:
         adapters = lora_modules(args)  # before the model loads: a name given twice
     except ValueError as exc:
         return _refuse(exc)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return _refuse(ValueError("--enable-auto-tool-choice needs --tool-call-parser"))
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            return _refuse(ValueError(f"--chat-template: {exc}"))
     model, tokenizer = load_model_for(args)
+    if template is not None:
+        tokenizer.chat_template = template
     config = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -210,6 +244,8 @@ def _create_app(
         fair_share_choices=args.fair_share_choices,
         lora_modules=adapters,
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -9,6 +9,7 @@ value, or ignored because they change nothing here) and rejected otherwise, so
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,9 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: Any = None  # an assistant's calls (checked by ``tools.template_tool_calls``)
+    tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant's reasoning (templates may read it)
 
 
 class ChatCompletionRequest(_Common):
@@ -110,6 +114,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None  # checked by ``tools.plan_tools``
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's extension: keywords for the chat template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def _off(*values: Any) -> Callable[[Any], bool]:
@@ -135,11 +144,8 @@ COMPLETION_NEUTRAL = {
 }
 CHAT_NEUTRAL = {
     **_COMMON_NEUTRAL,
-    "tools": _empty,
-    "tool_choice": _off("none"),
-    "functions": _empty,
+    "functions": _empty,  # the deprecated form of tools: send tools
     "function_call": _off("none"),
-    "parallel_tool_calls": _anything,  # meaningless without tools
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off(),
     "prediction": _off(),
@@ -191,25 +197,30 @@ def check_unsupported(
         )
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages for the tokenizer's chat template: text content only."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the tokenizer's chat template: text content, an assistant's tool
+    calls (arguments as objects) and tool results (``role: "tool"``)."""
     out = []
     for i, message in enumerate(messages):
         role = message.role
         if role == "developer":
             role = "system"
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise APIError(
                 400,
                 f"messages[{i}].role {message.role!r} is not supported "
-                "(system, developer, user, assistant)",
+                "(system, developer, user, assistant, tool)",
                 param=f"messages.{i}.role",
             )
         extra = sorted(k for k, v in (message.model_extra or {}).items() if not _empty(v))
+        if message.tool_calls and role != "assistant":
+            extra.append("tool_calls")
+        if message.tool_call_id is not None and role != "tool":
+            extra.append("tool_call_id")
         if extra:
             raise APIError(
                 400,
-                f"messages[{i}]: unsupported field{'s' if len(extra) > 1 else ''}: "
+                f"messages[{i}] ({role}): unsupported field{'s' if len(extra) > 1 else ''}: "
                 + ", ".join(extra),
                 param=f"messages.{i}.{extra[0]}",
                 code="unsupported_parameter",
@@ -227,7 +238,48 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": role, "content": content or ""})
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if message.tool_calls:
+            entry["tool_calls"] = template_tool_calls(i, message.tool_calls)
+        if role == "tool":
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                entry["name"] = message.name
+        if message.reasoning_content and role == "assistant":
+            entry["reasoning_content"] = message.reasoning_content
+        out.append(entry)
+    return out
+
+
+def template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` for the chat template: OpenAI's shape, with
+    each call's ``arguments`` decoded into an object (templates write them with
+    ``tojson``, as vLLM passes them)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"messages[{i}].tool_calls must be a list.", f"messages.{i}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str | dict):
+            raise APIError(
+                400,
+                f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': 'function', "
+                "'function': {'name', 'arguments'}}.",
+                f"messages.{i}.tool_calls",
+            )
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except ValueError:
+                decoded = arguments
+            arguments = decoded if isinstance(decoded, dict) else arguments
+        entry = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from .choices import ChoiceWriter
+from .messages import ChoiceMessage, MessagePlan
 from .protocol import finish_detail, finish_reason_name
 
 
@@ -31,18 +32,37 @@ class ResponseShape:
         created: int,
         model: str,
         choices: ChoiceWriter | None = None,
+        messages: MessagePlan | None = None,
     ) -> None:
         self.chat = chat
         self.call_id = call_id
         self.created = created
         self.model = model
         self.choices = choices  # echo and logprobs, when the call asks for them
+        self.messages = messages  # a chat answer's reasoning and tool calls
+        self.choice_messages: dict[int, ChoiceMessage] = {}
 
     @classmethod
-    def new(cls, chat: bool, model: str, choices: ChoiceWriter | None = None) -> ResponseShape:
+    def new(
+        cls,
+        chat: bool,
+        model: str,
+        choices: ChoiceWriter | None = None,
+        messages: MessagePlan | None = None,
+    ) -> ResponseShape:
         """The shape of a new call: a fresh id (``chatcmpl-...`` or ``cmpl-...``), made now."""
         prefix = "chatcmpl" if chat else "cmpl"
-        return cls(chat, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, choices)
+        call_id = f"{prefix}-{uuid.uuid4().hex}"
+        return cls(chat, call_id, int(time.time()), model, choices, messages)
+
+    def choice_message(self, index: int) -> ChoiceMessage | None:
+        """Choice ``index``'s message builder (``None``: its text is the content)."""
+        if self.messages is None:
+            return None
+        message = self.choice_messages.get(index)
+        if message is None:
+            message = self.choice_messages[index] = self.messages.choice()
+        return message
 
     def chunk_head(self) -> dict[str, Any]:
         head: dict[str, Any] = {
@@ -57,13 +77,24 @@ class ResponseShape:
 
     def chunk_choice(
         self, index: int, text: str, reason: str | None, logprobs: Any = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """A streamed choice: what ``text`` adds (and its tokens' ``logprobs``), and the
-        finish reason on the last one."""
-        if self.chat:
-            content = {"content": text} if text else {}
-            return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        finish reason on the last one; ``None`` when it has nothing to show yet (a tool
+        call or a reasoning marker still being read)."""
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        message = self.choice_message(index)
+        if message is None:
+            delta = {"content": text} if text else {}
+        else:
+            delta = message.feed(text)
+            if reason is not None:
+                for key, value in message.finish().items():
+                    delta[key] = delta.get(key, type(value)()) + value
+                reason = message.finish_reason(reason)
+        if not delta and reason is None and logprobs is None:
+            return None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def role_choice(self, index: int) -> dict[str, Any]:
         """The first chunk of every chat choice, which names the role."""
@@ -93,6 +124,10 @@ class ResponseShape:
             text = extras.pop("text")
             if self.chat:
                 message = {"role": "assistant", "content": text}
+                builder = self.choice_message(index)
+                if builder is not None:
+                    message = builder.whole(text)
+                    reason = builder.finish_reason(reason)
                 choice = {"index": index, "message": message}
                 if "prompt_logprobs" in extras:  # vLLM: on the response, not the choice
                     prompt_logprobs = extras.pop("prompt_logprobs")

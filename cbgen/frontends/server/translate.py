@@ -10,6 +10,8 @@ is an ``APIError`` in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +19,10 @@ from typing import Any
 
 from ...core.input_processor import strip_request_prefix
 from ...sampling.params import SamplingParams
+from ...sampling.structured import StructuredOutput
 from .fields import check_count, penalties, structured_output, structured_spec
 from .logprobs import Report
+from .messages import MessagePlan
 from .protocol import (
     CHAT_NEUTRAL,
     COMPLETION_NEUTRAL,
@@ -29,7 +33,15 @@ from .protocol import (
     check_unsupported,
     parse,
 )
+from .reasoning import ReasoningParser
+from .tool_parsers import ToolParser
+from .tools import ToolPlan, parameter_specs, plan_tools
 
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+}  # fmt: skip
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 MAX_PRIORITY = 1 << 31  # |priority| bound: an ordering key, not a number to compute with
@@ -62,6 +74,7 @@ class Translated:
     text_options: dict[str, bool]  # ``Engine.add_request``'s special-token keywords
     model: str = ""  # the model the call named (the base's, or a LoRA adapter's)
     lora: str | None = None  # the LoRA adapter it runs under (None: the base)
+    messages: MessagePlan | None = None  # a chat answer's reasoning and tool calls
 
 
 class Translator:
@@ -86,6 +99,9 @@ class Translator:
         # Compiles a call's grammar for the engine (``Engine.check_structured_output``), on
         # the tokenizer pool, so a spec that cannot compile is a 400 before the call runs.
         self.compile_structured: Callable[[SamplingParams], None] | None = None
+        # The server's --tool-call-parser and --reasoning-parser (None: not set).
+        self.tool_parser: type[ToolParser] | None = None
+        self.reasoning_parser: type[ReasoningParser] | None = None
         self.max_model_len = max_model_len
         self.max_choices = max_choices
         self.max_tokens_limit = max_tokens_limit
@@ -118,8 +134,11 @@ class Translator:
             report.echo_texts = await self.off_loop(
                 self.echo_texts, req.prompt, prompts, req.skip_special_tokens
             )
+        constraint = structured_output(req).get("structured_output")
         params = [
-            self.sampling(req, len(p), max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, report)
+            self.sampling(
+                req, len(p), max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, report, constraint
+            )
             for p in prompts
         ]
         await self.check_structured(req, params[0])
@@ -147,8 +166,11 @@ class Translator:
         n = self.num_choices(req, 1)
         stop = self.stops(req)
         include_usage = self.include_usage(req)
-        self.check_length(sum(len(m["content"]) for m in messages), "messages")
-        prompt = await self.off_loop(self.chat_prompt, messages)
+        parser = None if self.tool_parser is None else self.tool_parser.name
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, parser)
+        template_kwargs = self.template_kwargs(req)
+        self.check_length(sum(len(json.dumps(m, ensure_ascii=False)) for m in messages), "messages")
+        prompt, opened = await self.off_loop(self.chat_prompt, messages, plan, template_kwargs)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
@@ -159,8 +181,16 @@ class Translator:
             logprobs=(count or 0) if req.logprobs else None,
             prompt_logprobs=self.prompt_logprobs(req),
         )
-        params = [self.sampling(req, len(prompt), max_tokens, None, report)]
-        await self.check_structured(req, params[0])
+        constraint = self.chat_constraint(req, plan, opened)
+        params = [self.sampling(req, len(prompt), max_tokens, None, report, constraint)]
+        await self.check_structured(req, params[0], plan)
+        options = text_options(req)
+        if plan is not None and plan.choice == "auto" and self.tool_parser is not None:
+            if not self.tool_parser.skip_special_tokens:  # its markers are special tokens
+                options["skip_special_tokens"] = False
+        messages_plan = None
+        if (plan is not None and plan.choice != "none") or self.reasoning_parser is not None:
+            messages_plan = MessagePlan(plan, self.tool_parser, self.reasoning_parser, opened)
         return Translated(
             True,
             [prompt],
@@ -171,25 +201,68 @@ class Translator:
             include_usage,
             req.timeout,
             report,
-            text_options(req),
+            options,
             req.model,
             lora,
+            messages_plan,
         )
 
     # -- checks ---------------------------------------------------------------------------
 
-    async def check_structured(self, req: Any, params: SamplingParams) -> None:
-        """400 naming the field when the call's structured-output spec does not compile
-        (a schema of a wrong type, a regex or grammar that does not parse, a schema past
-        the grammar engine's size or nesting limits)."""
-        if params.structured_output is None or self.compile_structured is None:
+    async def check_structured(
+        self, req: Any, params: SamplingParams, plan: ToolPlan | None = None
+    ) -> None:
+        """400 naming the field when the call's structured-output spec, or a tool's
+        ``parameters``, does not compile (a schema of a wrong type, a regex or grammar
+        that does not parse, a schema past the grammar engine's size or nesting limits)."""
+        if self.compile_structured is None:
             return
-        asked = structured_spec(req)
-        field = asked[0] if asked is not None else "response_format"
-        try:
-            await self.off_loop(self.compile_structured, params)
-        except ValueError as exc:
-            raise APIError(400, f"{field}: {strip_request_prefix(str(exc))}", param=field) from None
+        checks: list[tuple[str, str, SamplingParams]] = []
+        if plan is not None:
+            for where, spec in parameter_specs(plan):
+                checks.append((where, "tools", SamplingParams(structured_output=spec)))
+        if params.structured_output is not None:
+            asked = structured_spec(req)
+            field = asked[0] if asked is not None else "tool_choice"
+            checks.append((field, field, params))
+        for where, field, checked in checks:
+            try:
+                await self.off_loop(self.compile_structured, checked)
+            except ValueError as exc:
+                message = f"{where}: {strip_request_prefix(str(exc))}"
+                raise APIError(400, message, param=field) from None
+
+    def chat_constraint(
+        self, req: Any, plan: ToolPlan | None, opened: bool
+    ) -> StructuredOutput | None:
+        """A chat call's grammar: its structured-output field's or its forced tool
+        choice's (not both), starting after the reasoning section with a reasoning parser."""
+        constraint = structured_output(req).get("structured_output")
+        if plan is not None and plan.structured is not None:
+            if constraint is not None:
+                raise APIError(
+                    400,
+                    "tool_choice 'required' or a named function cannot be combined with "
+                    "another structured-output constraint.",
+                    "tool_choice",
+                )
+            constraint = plan.structured
+        if constraint is not None and self.reasoning_parser is not None:
+            section = self.reasoning_parser.section(opened)
+            constraint = dataclasses.replace(constraint, after_reasoning=section)
+        return constraint
+
+    def template_kwargs(self, req: Any) -> dict[str, Any]:
+        """vLLM's ``chat_template_kwargs``: extra variables for the chat template."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(
+                400,
+                f"chat_template_kwargs cannot set {', '.join(reserved)}.",
+                "chat_template_kwargs",
+            )
+        return kwargs
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 for anything else."""
@@ -221,6 +294,7 @@ class Translator:
         max_tokens: int | None,
         default_max: int | None,
         report: Report,
+        constraint: StructuredOutput | None = None,
     ) -> SamplingParams:
         limit = self.max_model_len
         room = limit - prompt_len
@@ -285,8 +359,8 @@ class Translator:
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=report.logprobs,
             prompt_logprobs=report.engine_prompt_logprobs,
+            structured_output=constraint,
             **penalties(req),
-            **structured_output(req),
         )
 
     def num_choices(self, req: Any, num_prompts: int) -> int:
@@ -380,16 +454,42 @@ class Translator:
             for p, ids in zip(prompt_list(prompt), prompts, strict=True)
         ]
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], plan: ToolPlan | None, kwargs: dict[str, Any]
+    ) -> tuple[list[int], bool]:
+        """The conversation's prompt ids (runs on the tokenizer pool), and whether it
+        leaves a reasoning section open (with a reasoning parser)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "This model has no chat template; use /v1/completions.")
+        tools = None if plan is None else plan.tools
+        text = self.render(messages, tools, kwargs)
+        if (
+            plan is not None
+            and plan.choice == "auto"
+            and text == self.render(messages, None, kwargs)
+        ):
+            raise APIError(
+                400,
+                "This model's chat template does not show tools to the model, so it cannot "
+                "choose to call one: serve it with a --chat-template that renders tools, or "
+                "force a call with tool_choice 'required' or a named function.",
+                param="tools",
+            )
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        except (UnicodeError, ValueError, TypeError) as exc:
+            raise APIError(400, f"The messages could not be tokenized: {exc}", "messages") from None
+        opened = self.reasoning_parser is not None and self.reasoning_parser.opened_by(text[-256:])
+        return list(ids), opened
+
+    def render(self, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]) -> str:
+        """The chat template's text for ``messages``."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception as exc:  # the template rejected the conversation (e.g. role order)
             raise APIError(400, f"The chat template failed: {exc}", param="messages") from None
-        return list(encoded["input_ids"])
 
 
 def text_options(req: Any) -> dict[str, bool]:
