@@ -121,7 +121,7 @@ class HermesToolParser(ToolParser):
     def __init__(self) -> None:
         self.buffer = ""
         self.inside = False
-        self.called = False  # after a call, whitespace between calls is not content
+        self.after_call = False  # whitespace right after a call is not content
 
     def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         self.buffer += text
@@ -133,10 +133,10 @@ class HermesToolParser(ToolParser):
                 if at < 0:
                     keep = partial_suffix(self.buffer, self.start)
                     cut = len(self.buffer) - keep
-                    content.append(self.buffer[:cut])
+                    self._say(content, self.buffer[:cut])
                     self.buffer = self.buffer[cut:]
                     break
-                content.append(self.buffer[:at])
+                self._say(content, self.buffer[:at])
                 self.buffer = self.buffer[at + len(self.start) :]
                 self.inside = True
             else:
@@ -148,11 +148,11 @@ class HermesToolParser(ToolParser):
                 self.inside = False
                 found = calls_from_json(_loads(body), self.argument_keys)
                 if found is None:
-                    content.append(self.start + body + self.end)
+                    self._say(content, self.start + body + self.end)
                 else:
                     calls.extend(found)
-                    self.called = True
-        return self._content(content), calls
+                    self.after_call = True
+        return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         rest, self.buffer = self.buffer, ""
@@ -162,11 +162,15 @@ class HermesToolParser(ToolParser):
             if found is not None:
                 return "", found
             rest = self.start + rest
-        return self._content([rest]), []
+        out: list[str] = []
+        self._say(out, rest)
+        return "".join(out), []
 
-    def _content(self, pieces: list[str]) -> str:
-        text = "".join(pieces)
-        return "" if self.called and not text.strip() else text
+    def _say(self, content: list[str], piece: str) -> None:
+        if self.after_call:
+            piece = piece.lstrip()
+            self.after_call = not piece
+        content.append(piece)
 
 
 class Llama3JsonToolParser(ToolParser):
