@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -66,7 +67,12 @@ def robust():
     engine = Engine(
         tiny_model(tokenizer), tokenizer, cbgen.EngineConfig(num_blocks=128, block_size=16)
     )
-    app = create_app(engine, tokenizer, MODEL, api_key=API_KEY)
+    # the tools' template, so tool_choice "auto" runs its parser on the tiny model's text
+    tokenizer.chat_template = (Path(__file__).parent / "data" / "hermes_tools.jinja").read_text()
+    app = create_app(
+        engine, tokenizer, MODEL, api_key=API_KEY, tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+    )  # fmt: skip
     errors = _ErrorLog()
     for name in WATCHED_LOGGERS:
         logging.getLogger(name).addHandler(errors)
@@ -160,6 +166,27 @@ token_ids = st.integers(0, VOCAB - 1) | st.sampled_from(
     [-1, VOCAB, VOCAB + 1, 10**9, 2**63, -(2**64)]
 )
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time"}}
+NESTED_SCHEMA: dict = {"type": "object"}
+for _ in range(200):
+    NESTED_SCHEMA = {"type": "object", "properties": {"a": NESTED_SCHEMA}}
+BAD_FORMATS = [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}}},
+]  # fmt: skip
+
 # Each field: values a client would send, and values a careless or hostile one might.
 # Junk max_tokens / n never ask for much work when they happen to be valid.
 VALID = {
@@ -177,6 +204,16 @@ VALID = {
     "ignore_eos": st.booleans(),
     "logprobs": st.none(),
     "user": small_text,
+    # tools and structured output, valid or not (a spec that cannot compile is a 400)
+    "tools": st.sampled_from([None, [WEATHER_TOOL], [WEATHER_TOOL, TIME_TOOL]]),
+    "tool_choice": st.sampled_from(
+        [None, "none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}]
+    ),
+    "parallel_tool_calls": st.booleans(),
+    "response_format": st.sampled_from(BAD_FORMATS + [None, {"type": "json_object"}]),
+    "guided_regex": st.sampled_from([None, "[a-z]{1,4}", "([a-z", "\\"]),
+    "guided_grammar": st.sampled_from([None, "root ::= (", 'root ::= "a" | "b"', "start:"]),
+    "guided_json": st.sampled_from([None, {"type": 5}, {"type": "object"}, NESTED_SCHEMA]),
 }
 JUNK = {
     "model": st.sampled_from(["gpt-4", "", MODEL + " ", MODEL.upper(), "\ud800", None, 3])
@@ -197,6 +234,24 @@ JUNK = {
     "ignore_eos": json_values,
     "logprobs": json_values,
     "user": json_values,
+    "tools": json_values
+    | st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries(
+                    {"name": small_text}, optional={"parameters": json_values}
+                ),
+            }
+        ),
+        max_size=2,
+    ),
+    "tool_choice": json_values,
+    "parallel_tool_calls": json_values,
+    "response_format": json_values,
+    "guided_regex": json_values,
+    "guided_grammar": json_values,
+    "guided_json": json_values,
 }
 UNKNOWN_FIELDS = ["tools", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                   "response_format", "stream_options", "max_completion_tokens", "functions",
