@@ -927,3 +927,60 @@ def test_a_timed_out_call_finishes_with_an_openai_reason(server):
     plain = server.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert "finish_detail" not in plain.choices[0].model_dump(exclude_unset=True)
     wait_idle(server.engine)
+
+
+def test_a_client_with_many_calls_yields_to_one_with_few(server):
+    """Per client (a call's ``user``, or its API key when there are several), requests
+    past the client's share of unfinished ones run one priority lower."""
+    engine = Engine(
+        tiny_model(server.tokenizer),
+        server.tokenizer,
+        cbgen.EngineConfig(num_blocks=256, block_size=BLOCK_SIZE),
+    )
+    keys = ["key-a", "key-b"]
+    app = create_app(engine, server.tokenizer, MODEL, api_key=keys, client_fair_share=2)
+    added: list[int] = []
+    add = engine.add_request
+
+    def recording(prompt, params=None, request_id=None, **options):  # a seam of the test's
+        added.append(params.priority)
+        return add(prompt, params, request_id, **options)
+
+    engine.add_request = recording
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    try:
+        with uvicorn_in_thread(uv) as base, httpx.Client(base_url=base, timeout=60) as http:
+
+            def open_call(stack, key, **fields):
+                body = {**long_body(True), "max_tokens": 50, **fields}
+                headers = {"Authorization": f"Bearer {key}"}
+                resp = stack.enter_context(
+                    http.stream("POST", "/v1/completions", json=body, headers=headers)
+                )
+                assert resp.status_code == 200
+                return added[-fields.get("n", 1) :]
+
+            with contextlib.ExitStack() as stack, hold_engine(engine):
+                # alice's third request is past her share; bob's first is not
+                assert [open_call(stack, "key-a", user="alice") for _ in range(3)] == [
+                    [0],
+                    [0],
+                    [1],
+                ]
+                assert open_call(stack, "key-a", user="bob") == [0]
+                assert open_call(stack, "key-a", user="alice", n=2) == [1, 1]
+                # no user: the key names the client
+                assert [open_call(stack, "key-b") for _ in range(3)] == [[0], [0], [1]]
+                assert open_call(stack, "key-a") == [0]
+                calls = app.state.cbgen.calls
+                assert calls.in_flight == {"user:alice": 5, "user:bob": 1, "key:1": 3, "key:0": 1}
+            wait_idle(engine)  # the streams closed: their requests were cancelled
+            assert calls.in_flight == {}
+            done = http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2, "user": "alice"},
+                headers={"Authorization": "Bearer key-a"},
+            )
+            assert done.status_code == 200 and added[-1] == 0 and calls.in_flight == {}
+    finally:
+        engine.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -26,7 +26,7 @@ from .adapters import ServedAdapters
 from .calls import Call, Calls
 from .choices import ChoiceWriter
 from .guard import LOOPBACK_HOSTS, APIGuard
-from .intake import DEFAULT_MAX_BODY_BYTES, check_api_key, read_json
+from .intake import DEFAULT_MAX_BODY_BYTES, api_keys, check_api_key, read_json
 from .logprobs import TokenStrings
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, error_body
@@ -62,17 +62,18 @@ class _Server:
         engine: Engine,
         tokenizer: Any,
         model_name: str,
-        api_key: str | None,
+        api_key: str | Sequence[str] | None,
         max_body_bytes: int,
         max_choices: int,
         max_tokens_limit: int | None,
         tokenizer_threads: int,
         body_timeout: float,
         fair_share_choices: int,
+        client_fair_share: int | None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.api_key = api_key
+        self.api_keys = api_keys(api_key)
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.max_model_len = engine.core.max_model_len
@@ -85,7 +86,7 @@ class _Server:
             max_tokens_limit,
             tokenizer_threads,
         )
-        self.calls = Calls(engine, self.metrics, fair_share_choices)
+        self.calls = Calls(engine, self.metrics, fair_share_choices, client_fair_share)
         self.token_strings = TokenStrings(tokenizer)  # logprobs' token texts, cached
         self.draining = False  # no new calls (SIGTERM)
         self.adapters = ServedAdapters(engine, model_name)  # LoRA adapters, by name
@@ -113,7 +114,7 @@ class _Server:
     # -- endpoints ------------------------------------------------------------------------
 
     async def authorize(self, request: Request) -> None:
-        check_api_key(request, self.api_key)
+        request.state.api_key_index = check_api_key(request, self.api_keys)
 
     async def completions(self, request: Request) -> Any:
         t0 = time.perf_counter()
@@ -125,10 +126,18 @@ class _Server:
         work = await self.translator.chat(await self.read_json(request))
         return await self.run(work, t0, request)
 
+    def client_of(self, work: Translated, request: Request) -> str | None:
+        """Who sent a call, for the per-client share: its ``user``, else its API key when
+        the server has several (one key names no one: every client holds it)."""
+        if work.client is not None or len(self.api_keys) < 2:
+            return work.client
+        return f"key:{request.state.api_key_index}"
+
     async def read_json(self, request: Request) -> Any:
         return await read_json(request, self.max_body_bytes, self.body_timeout)
 
     async def run(self, work: Translated, t0: float, request: Request) -> Any:
+        work.client = self.client_of(work, request)
         writer = ChoiceWriter(work.report, self.token_strings, work.chat, work.prompts, work.n)
         model = work.model or self.model_name  # responses name what the call asked for
         call = Call(work, ResponseShape.new(work.chat, model, writer, work.messages), t0)
@@ -164,7 +173,7 @@ def create_app(
     engine: Engine,
     tokenizer: Any,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_choices: int = 128,
@@ -174,6 +183,7 @@ def create_app(
     tokenizer_threads: int = 2,
     body_timeout: float = 30.0,
     fair_share_choices: int = 8,
+    client_fair_share: int | None = 16,
     lora_modules: Mapping[str, str] | None = None,
     enable_lora_runtime_updates: bool = False,
     tool_call_parser: str | None = None,
@@ -181,7 +191,8 @@ def create_app(
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``engine`` (started here if it is not running).
 
-    ``api_key`` guards every ``/v1/`` route (``Authorization: Bearer <key>``);
+    ``api_key`` (one key or several) guards every ``/v1/`` route
+    (``Authorization: Bearer <key>``);
     ``/health`` and ``/metrics`` stay open. ``max_body_bytes`` bounds a request body
     (413 past it); ``max_choices`` bounds the engine requests one call may add
     (prompts × ``n``); ``max_tokens_limit`` bounds ``max_tokens`` (400 past it, and the
@@ -191,7 +202,10 @@ def create_app(
     A body that has not fully arrived ``body_timeout`` seconds after its head gets 408.
     The choices of one call past its first ``fair_share_choices`` (prompts × ``n``) run
     one priority lower, so a wide call yields slots to other calls (a waiting request of
-    higher priority preempts running ones) instead of starving them.
+    higher priority preempts running ones) instead of starving them. Across calls, a
+    client (the call's ``user``, or its API key when there are several) with
+    ``client_fair_share`` requests unfinished adds its next ones one priority lower
+    (``None``: no per-client share).
     ``lora_modules`` (name -> PEFT adapter folder) are loaded now (``ValueError`` naming
     the first that cannot be) and served under their names: a call's ``model`` picks
     one. ``enable_lora_runtime_updates`` adds ``POST /v1/load_lora_adapter`` and
@@ -224,6 +238,7 @@ def create_app(
         tokenizer_threads,
         body_timeout,
         fair_share_choices,
+        client_fair_share,
     )
     server.translator.tool_parser = tools
     server.translator.reasoning_parser = reasoning
@@ -296,13 +311,13 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    if allowed_hosts is None and api_key is None:
+    if allowed_hosts is None and not server.api_keys:
         allowed_hosts = LOOPBACK_HOSTS
     app.add_middleware(
         APIGuard,
         metrics=server.metrics,
         allowed_origins=allowed_origins,
-        allowed_hosts=None if api_key is not None else allowed_hosts,
+        allowed_hosts=None if server.api_keys else allowed_hosts,
         draining=lambda: server.draining,
     )
     return app

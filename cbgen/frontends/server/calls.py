@@ -50,6 +50,8 @@ class Call:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.done = False  # every choice finished (not cut short by the client)
+        self.client = work.client  # who sent it, for the per-client share (None: unknown)
+        self.counted = 0  # its requests counted in the client's in-flight total
 
     def usage(self) -> dict[str, int]:
         return {
@@ -63,14 +65,50 @@ class Calls:
     """The calls with requests in the engine, and how each one runs.
 
     A call's choices past its first ``fair_share_choices`` run one priority lower, so a
-    wide call yields slots to other calls instead of starving them."""
+    wide call yields slots to other calls instead of starving them. The same holds
+    across calls per client (the call's ``user``, or its API key when the server has
+    several): a request added while its client already has ``client_fair_share``
+    requests unfinished runs one priority lower, so a client sending many calls at once
+    yields to one sending few."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, fair_share_choices: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics,
+        fair_share_choices: int,
+        client_fair_share: int | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.fair_share_choices = fair_share_choices
+        self.client_fair_share = client_fair_share
+        self.in_flight: dict[str, int] = {}  # unfinished requests per known client
         self.jobs: set[Call] = set()  # calls with requests in the engine
         self.shutting_down = False  # the drain time is over: open streams end with an error
+
+    def yields(self, job: Call) -> bool:
+        """Whether the call's next request runs one priority lower (past a fair share)."""
+        if len(job.rids) >= self.fair_share_choices:  # a wide call yields
+            return True
+        share = self.client_fair_share
+        return (
+            share is not None
+            and job.client is not None
+            and self.in_flight.get(job.client, 0) >= share
+        )
+
+    def release(self, job: Call, count: int | None = None) -> None:
+        """``count`` of the call's requests (all that are counted: ``None``) finished."""
+        client = job.client
+        count = job.counted if count is None else min(count, job.counted)
+        if client is None or count <= 0:
+            return
+        job.counted -= count
+        left = self.in_flight.get(client, 0) - count
+        if left > 0:
+            self.in_flight[client] = left
+        else:
+            self.in_flight.pop(client, None)  # the table holds active clients only
 
     def end_streams(self) -> None:
         """The drain time is over: cancel what still runs; streams send a final error event."""
@@ -93,7 +131,7 @@ class Calls:
         try:
             for prompt, base in zip(work.prompts, work.params, strict=True):
                 for sample in fan_out(job.id, dataclasses.replace(base, n=job.n)):
-                    if len(job.rids) >= self.fair_share_choices:  # a wide call yields
+                    if self.yields(job):
                         sample = dataclasses.replace(sample, priority=sample.priority + 1)
                     rid = engine.add_request(
                         prompt,
@@ -105,6 +143,9 @@ class Calls:
                         **work.text_options,
                     )
                     job.rids.append(rid)
+                    if job.client is not None:
+                        self.in_flight[job.client] = self.in_flight.get(job.client, 0) + 1
+                        job.counted += 1
             job.choices = engine.stream_many_async(job.rids)
         except ValueError as exc:
             self.cancel(job)
@@ -127,6 +168,7 @@ class Calls:
 
     def cancel(self, job: Call) -> None:
         self.jobs.discard(job)
+        self.release(job)
         if job.choices is not None:
             job.choices.close()  # cancels the requests not finished
         for rid in job.rids:
@@ -156,12 +198,14 @@ class Calls:
                         job.completion_tokens += count
                 if delta.finished:
                     remaining -= 1
+                    self.release(job, 1)
                     metrics.e2e.observe(now - job.t0)
                     metrics.finished.labels(str(delta.finish_reason)).inc()
                 yield index, delta
             job.done = remaining == 0
         finally:
             self.jobs.discard(job)
+            self.release(job)
             if not job.done:
                 self.cancel(job)
 

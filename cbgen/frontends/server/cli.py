@@ -28,8 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--api-key",
+        nargs="+",
+        action=_KeysAction,
         default=os.environ.get("CBGEN_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $CBGEN_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1/ routes, for any of the KEYs "
+        "(default: $CBGEN_API_KEY)",
     )
     add_precision_arguments(parser)
     add_speculative_arguments(parser)
@@ -99,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="choices of one call past this many run one priority lower (default 8)",
     )
     limits.add_argument(
+        "--client-fair-share",
+        type=int,
+        default=16,
+        help="a client (a call's user, or its API key when several are given) with this many "
+        "requests unfinished adds more one priority lower; 0 turns it off (default 16)",
+    )
+    limits.add_argument(
         "--body-timeout",
         type=float,
         default=30.0,
@@ -138,6 +148,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+
+
+class _KeysAction(argparse.Action):
+    """``--api-key KEY [KEY ...]``: one key as a string, several as a list."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
 
 
 def _is_loopback(host: str) -> bool:
@@ -242,6 +259,7 @@ def _create_app(
         allowed_hosts=allowed_hosts,
         body_timeout=args.body_timeout,
         fair_share_choices=args.fair_share_choices,
+        client_fair_share=args.client_fair_share or None,
         lora_modules=adapters,
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
         tool_call_parser=args.tool_call_parser,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
@@ -16,10 +17,19 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body
 
 
-def check_api_key(request: Request, api_key: str | None) -> None:
-    """401 unless the request carries ``Authorization: Bearer <api_key>`` (or no key is set)."""
-    if api_key is None:
-        return
+def api_keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The keys a server accepts: one, several, or none (an open server)."""
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    if any(not isinstance(key, str) or not key for key in keys):
+        raise ValueError("API keys must be non-empty strings")
+    return keys
+
+
+def check_api_key(request: Request, keys: Sequence[str]) -> int | None:
+    """401 unless the request carries ``Authorization: Bearer <key>`` for one of ``keys``
+    (or none is set); returns that key's index (``None``: an open server)."""
+    if not keys:
+        return None
     header = request.headers.get("authorization")
     if not header:
         raise APIError(
@@ -29,15 +39,17 @@ def check_api_key(request: Request, api_key: str | None) -> None:
             headers={"WWW-Authenticate": "Bearer"},
         )
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    ):
+    given = token.strip().encode()
+    # every key compared, in constant time each: the answer's timing names none of them
+    matches = [hmac.compare_digest(given, key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matches):
         raise APIError(
             401,
             "Incorrect API key provided.",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    return matches.index(True)
 
 
 async def read_json(request: Request, limit: int, timeout: float) -> Any:

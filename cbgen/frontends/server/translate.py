@@ -75,6 +75,7 @@ class Translated:
     model: str = ""  # the model the call named (the base's, or a LoRA adapter's)
     lora: str | None = None  # the LoRA adapter it runs under (None: the base)
     messages: MessagePlan | None = None  # a chat answer's reasoning and tool calls
+    client: str | None = None  # who sent it, for the per-client fair share (None: unknown)
 
 
 class Translator:
@@ -155,6 +156,8 @@ class Translator:
             text_options(req),
             req.model,
             lora,
+            None,
+            client_of(req),
         )
 
     async def chat(self, body: Any) -> Translated:
@@ -205,6 +208,7 @@ class Translator:
             req.model,
             lora,
             messages_plan,
+            client_of(req),
         )
 
     # -- checks ---------------------------------------------------------------------------
@@ -490,6 +494,12 @@ class Translator:
             )
         except Exception as exc:  # the template rejected the conversation (e.g. role order)
             raise APIError(400, f"The chat template failed: {exc}", param="messages") from None
+
+
+def client_of(req: Any) -> str | None:
+    """The call's ``user`` (OpenAI's end-user id), the client of the per-client share."""
+    user = (req.model_extra or {}).get("user")
+    return f"user:{user}" if isinstance(user, str) and user else None
 
 
 def text_options(req: Any) -> dict[str, bool]:
