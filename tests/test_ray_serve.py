@@ -43,7 +43,13 @@ def served(tiny_chat_model_dir):
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        url = _example().deploy(str(tiny_chat_model_dir), replicas=2, threads=1, port=_free_port())
+        url = _example().deploy(
+            str(tiny_chat_model_dir),
+            replicas=2,
+            threads=1,
+            port=_free_port(),
+            tool_call_parser="hermes",
+        )
         yield url, serve.status()
         serve.shutdown()
     finally:
@@ -97,4 +103,18 @@ def test_a_bad_request_is_the_apps_own_error(served, tiny_chat_model_dir):
             model=str(tiny_chat_model_dir),
             messages=[{"role": "user", "content": "hi"}],
             temperature=-1.0,
+        )
+
+
+def test_the_replicas_get_the_servers_options(served, tiny_chat_model_dir):
+    """The tool parser reached the app: tools with tool_choice auto get past the parser
+    check to the template check (SmolLM2's template does not render tools)."""
+    url, _ = served
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    tool = {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(
+            model=str(tiny_chat_model_dir),
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[tool],
         )

@@ -28,6 +28,9 @@ class CbgenReplica:
 
     Without an ``api_key`` the app serves loopback ``Host`` names only (as ``cbgen
     serve`` does); behind a cluster's address give an ``api_key`` or ``allowed_hosts``.
+    ``tool_call_parser``, ``reasoning_parser`` and ``lora_modules`` are ``cbgen serve``'s
+    flags of the same names; ``chat_template`` is a template's text (not a file name,
+    which a replica on another node may not see).
     """
 
     def __init__(
@@ -42,6 +45,10 @@ class CbgenReplica:
         config: EngineConfig | None = None,
         api_key: str | None = None,
         allowed_hosts: list[str] | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        chat_template: str | None = None,
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         from .args.precision import load_worker_model
         from .online import Engine
@@ -50,6 +57,8 @@ class CbgenReplica:
         loaded, tokenizer = load_worker_model(
             model, threads=threads, dtype=dtype, quantization=quantization, device=device
         )
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         self.engine = Engine(loaded, tokenizer, config)
         self.openai_app = create_app(
             self.engine,
@@ -57,6 +66,9 @@ class CbgenReplica:
             served_model_name or model,
             api_key=api_key,
             allowed_hosts=allowed_hosts,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+            lora_modules=lora_modules,
         )
 
     def __serve_build_asgi_app__(self) -> Any:
