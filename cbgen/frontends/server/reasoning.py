@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ...sampling.structured import ReasoningSection
-from .tool_parsers import partial_suffix
+from .tool_parsers import partial_suffix, registered
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "reasoning_parser_class"]
 
@@ -112,8 +112,5 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def reasoning_parser_class(name: str) -> type[ReasoningParser]:
     """The parser registered as ``name``; ``ValueError`` listing the known ones."""
-    cls = REASONING_PARSERS.get(name)
-    if cls is None:
-        known = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r} (known: {known})")
+    cls: type[ReasoningParser] = registered(REASONING_PARSERS, name, "reasoning parser")
     return cls

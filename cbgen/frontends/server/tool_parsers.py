@@ -283,10 +283,15 @@ for _parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser):
     register_tool_parser(_parser)
 
 
+def registered(table: dict[str, Any], name: str, what: str) -> Any:
+    """``table[name]``; ``ValueError`` naming the ``what`` and listing the known ones."""
+    found = table.get(name)
+    if found is None:
+        raise ValueError(f"unknown {what} {name!r} (known: {', '.join(sorted(table))})")
+    return found
+
+
 def tool_parser_class(name: str) -> type[ToolParser]:
     """The parser registered as ``name``; ``ValueError`` listing the known ones."""
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        known = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool call parser {name!r} (known: {known})")
+    cls: type[ToolParser] = registered(TOOL_PARSERS, name, "tool call parser")
     return cls
