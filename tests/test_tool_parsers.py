@@ -191,3 +191,11 @@ def test_parsers_register_by_name():
         tool_parser_class("nope")
     with pytest.raises(ValueError, match="qwen3"):
         reasoning_parser_class("nope")
+
+
+def test_newlines_after_the_end_marker_in_a_later_piece():
+    parser = Qwen3ReasoningParser(False)
+    pieces = ["<think>3 plus 3 is 6.</think>\n", "\n", "The answer", " is 6."]
+    said = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    assert "".join(r for r, _ in said) == "3 plus 3 is 6."
+    assert "".join(c for _, c in said) == "The answer is 6."

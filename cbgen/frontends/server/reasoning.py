@@ -39,6 +39,7 @@ class ReasoningParser:
         """``prompt_opened``: the prompt ends inside an open section (``opened_by``)."""
         self.state = _REASONING if prompt_opened else _UNDECIDED
         self.buffer = ""
+        self.after_end = False  # newlines right after the end marker are not content
 
     @classmethod
     def opened_by(cls, prompt_text: str) -> bool:
@@ -74,11 +75,15 @@ class ReasoningParser:
                     self.buffer = self.buffer[cut:]
                     break
                 reasoning.append(self.buffer[:at])
-                self.buffer = self.buffer[at + len(self.end) :].lstrip("\n")
+                self.buffer = self.buffer[at + len(self.end) :]
                 self.state = _CONTENT
+                self.after_end = True
             else:
-                content.append(self.buffer)
-                self.buffer = ""
+                piece, self.buffer = self.buffer, ""
+                if self.after_end:
+                    piece = piece.lstrip("\n")
+                    self.after_end = not piece
+                content.append(piece)
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
