@@ -20,6 +20,7 @@ from typing import Any
 from ...core.input_processor import strip_request_prefix
 from ...sampling.params import SamplingParams
 from ...sampling.structured import StructuredOutput
+from .chat_prompt import chat_prompt, check_template_kwargs
 from .fields import check_count, penalties, structured_output, structured_spec
 from .logprobs import Report
 from .messages import MessagePlan
@@ -37,11 +38,6 @@ from .reasoning import ReasoningParser
 from .tool_parsers import ToolParser
 from .tools import ToolPlan, parameter_specs, plan_tools
 
-RESERVED_TEMPLATE_KWARGS = {
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-}  # fmt: skip
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 MAX_PRIORITY = 1 << 31  # |priority| bound: an ordering key, not a number to compute with
@@ -171,9 +167,11 @@ class Translator:
         include_usage = self.include_usage(req)
         parser = None if self.tool_parser is None else self.tool_parser.name
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, parser)
-        template_kwargs = self.template_kwargs(req)
+        template_kwargs = check_template_kwargs(req.chat_template_kwargs)
         self.check_length(sum(len(json.dumps(m, ensure_ascii=False)) for m in messages), "messages")
-        prompt, opened = await self.off_loop(self.chat_prompt, messages, plan, template_kwargs)
+        prompt, opened = await self.off_loop(
+            chat_prompt, self.tokenizer, messages, plan, template_kwargs, self.reasoning_parser
+        )
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
@@ -255,18 +253,6 @@ class Translator:
             section = self.reasoning_parser.section(opened)
             constraint = dataclasses.replace(constraint, after_reasoning=section)
         return constraint
-
-    def template_kwargs(self, req: Any) -> dict[str, Any]:
-        """vLLM's ``chat_template_kwargs``: extra variables for the chat template."""
-        kwargs = dict(req.chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise APIError(
-                400,
-                f"chat_template_kwargs cannot set {', '.join(reserved)}.",
-                "chat_template_kwargs",
-            )
-        return kwargs
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 for anything else."""
@@ -457,43 +443,6 @@ class Translator:
             else self.tokenizer.decode(ids, skip_special_tokens=skip_special)
             for p, ids in zip(prompt_list(prompt), prompts, strict=True)
         ]
-
-    def chat_prompt(
-        self, messages: list[dict[str, Any]], plan: ToolPlan | None, kwargs: dict[str, Any]
-    ) -> tuple[list[int], bool]:
-        """The conversation's prompt ids (runs on the tokenizer pool), and whether it
-        leaves a reasoning section open (with a reasoning parser)."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise APIError(400, "This model has no chat template; use /v1/completions.")
-        tools = None if plan is None else plan.tools
-        text = self.render(messages, tools, kwargs)
-        if (
-            plan is not None
-            and plan.choice == "auto"
-            and text == self.render(messages, None, kwargs)
-        ):
-            raise APIError(
-                400,
-                "This model's chat template does not show tools to the model, so it cannot "
-                "choose to call one: serve it with a --chat-template that renders tools, or "
-                "force a call with tool_choice 'required' or a named function.",
-                param="tools",
-            )
-        try:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        except (UnicodeError, ValueError, TypeError) as exc:
-            raise APIError(400, f"The messages could not be tokenized: {exc}", "messages") from None
-        opened = self.reasoning_parser is not None and self.reasoning_parser.opened_by(text[-256:])
-        return list(ids), opened
-
-    def render(self, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any]) -> str:
-        """The chat template's text for ``messages``."""
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
-            )
-        except Exception as exc:  # the template rejected the conversation (e.g. role order)
-            raise APIError(400, f"The chat template failed: {exc}", param="messages") from None
 
 
 def client_of(req: Any) -> str | None:
