@@ -56,6 +56,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return flat.view(shape)
 
 
+def commit_tensors(tensors: Sequence[torch.Tensor]) -> int:
+    """Zero ``tensors`` in place (their pages resident from now on); the bytes written."""
+    total = 0
+    for tensor in tensors:
+        tensor.zero_()
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
 class PagedKVCache:
     """K and V for every layer, each ``[kv_heads, num_blocks, block_size, dim]``.
 
@@ -96,6 +105,12 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         return bytes_per_token(self.tensor_specs) * self.block_size
+
+    def commit(self) -> int:
+        """Write every block now, so all of the cache's host pages are resident from
+        here on (a server's memory is then flat from its start, not growing as blocks
+        are first used); returns the bytes written."""
+        return commit_tensors(self.block_tensors)
 
     @property
     def num_layers(self) -> int:

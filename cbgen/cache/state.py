@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .paged_cache import _zeros
+from .paged_cache import _zeros, commit_tensors
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,10 @@ class StateCache:
             [_zeros((num_slots, *t.shape), t.dtype, device) for t in spec.tensors]
             for spec in self.specs
         ]
+
+    def commit(self) -> int:
+        """Write every slot now (see ``PagedKVCache.commit``); returns the bytes written."""
+        return commit_tensors([t for layer in self.tensors for t in layer])
 
 
 class StateCheckpoints:

@@ -138,6 +138,16 @@ class Lifecycle:
         """The KV cache back and generating again, after ``sleep()`` (as ``resume()``)."""
         self.resume()
 
+    def commit_cache_memory(self) -> int:
+        """Make the whole KV cache (and state slots) resident in memory now, rather than
+        page by page as blocks are first used: a long-running server then holds the
+        memory it will use from its start, and its RSS stays flat (or it fails now, not
+        hours later, when the memory is not there). Not while the engine steps on
+        another thread. Returns the bytes written (0 while asleep)."""
+        if self._asleep:
+            return 0
+        return self.executor.commit_cache()
+
     @property
     def is_paused(self) -> bool:
         """Between ``pause()`` (or ``sleep()``) and ``resume()`` (or ``wake()``)."""

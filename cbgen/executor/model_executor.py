@@ -134,6 +134,16 @@ class ModelExecutor:
             self.state_cache,
         )
 
+    def commit_cache(self) -> int:
+        """Make the K/V blocks' and state slots' host pages resident now (they are
+        otherwise committed as first used); returns the bytes written."""
+        total = 0
+        if self.cache is not None:
+            total += self.cache.commit()
+        if self.state_cache is not None:
+            total += self.state_cache.commit()
+        return total
+
     def free(self) -> None:
         """Give the cache tensors' memory back (``EngineCore.sleep``); ``allocate`` again
         before the next step."""

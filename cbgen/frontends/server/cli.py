@@ -15,6 +15,7 @@ from ..args.lora import add_lora_arguments, lora_modules
 from ..args.precision import add_precision_arguments, load_model_for
 from ..args.speculative import add_speculative_arguments, speculative_config
 from .guard import LOOPBACK_HOSTS
+from .native_memory import HeapTrimmer, bound_native_memory
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
 
@@ -123,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="connections and tasks at once; 503 past it (default 1024)",
     )
+    limits.add_argument(
+        "--keep-native-caches",
+        action="store_true",
+        help="leave the KV cache to be committed as blocks are first used, oneDNN's primitive "
+        "cache at 1,024 shapes, glibc's mmap threshold adaptive and the heap untrimmed, "
+        "instead of a flat RSS over hours (see docs/serving.md)",
+    )
     add_lora_arguments(parser, runtime_updates=True)
     chat = parser.add_argument_group("tools and reasoning (see docs/serving.md)")
     chat.add_argument(
@@ -183,6 +191,8 @@ def serve(args: argparse.Namespace) -> int:
         return _refuse(exc)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         return _refuse(ValueError("--enable-auto-tool-choice needs --tool-call-parser"))
+    if not args.keep_native_caches:
+        bound_native_memory()  # before the model runs: oneDNN reads its cache size once
     template = None
     if args.chat_template is not None:
         try:
@@ -214,6 +224,10 @@ def serve(args: argparse.Namespace) -> int:
         stream_timeout=args.stream_timeout,
     )
     app = None
+    trimmer = None
+    if not args.keep_native_caches:
+        engine.core.commit_cache_memory()  # before the loop starts: resident from now on
+        trimmer = HeapTrimmer(lambda: engine.num_unfinished > 0).start()
     try:
         try:
             app = _create_app(args, engine, tokenizer, adapters)
@@ -231,6 +245,8 @@ def serve(args: argparse.Namespace) -> int:
         )
         server.run()
     finally:
+        if trimmer is not None:
+            trimmer.close()
         if app is not None:
             app.state.cbgen.close()  # the tokenizer pool
         engine.close()
