@@ -263,7 +263,7 @@ def start_server(args, folder: str, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "cbgen", "serve", "--model", folder,
                "--served-model-name", args.served_model_name, "--port", str(port),
                "--num-blocks", str(args.num_blocks), "--log-level", "warning",
-               "--max-waiting-requests", "100000"]  # fmt: skip
+               "--max-waiting-requests", "100000", "--commit-kv-cache"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     for item in args.env:
         key, _, value = item.partition("=")

@@ -127,9 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--keep-native-caches",
         action="store_true",
-        help="leave the KV cache to be committed as blocks are first used, oneDNN's primitive "
-        "cache at 1,024 shapes, glibc's mmap threshold adaptive and the heap untrimmed, "
-        "instead of a flat RSS over hours (see docs/serving.md)",
+        help="leave oneDNN's primitive cache at 1,024 shapes and the heap untrimmed, instead "
+        "of capping the cache at 128 and trimming the heap when the engine goes idle",
+    )
+    limits.add_argument(
+        "--commit-kv-cache",
+        action="store_true",
+        help="make the whole KV cache resident at start (memory held from the first call, a "
+        "flat RSS after) instead of page by page as blocks are first used",
     )
     add_lora_arguments(parser, runtime_updates=True)
     chat = parser.add_argument_group("tools and reasoning (see docs/serving.md)")
@@ -225,8 +230,9 @@ def serve(args: argparse.Namespace) -> int:
     )
     app = None
     trimmer = None
-    if not args.keep_native_caches:
+    if args.commit_kv_cache:
         engine.core.commit_cache_memory()  # before the loop starts: resident from now on
+    if not args.keep_native_caches:
         trimmer = HeapTrimmer(lambda: engine.num_unfinished > 0).start()
     try:
         try:

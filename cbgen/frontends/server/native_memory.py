@@ -7,9 +7,11 @@ cache):
 
 * the KV cache's host pages are committed as blocks are first written
   (``cbgen.cache.paged_cache``), so RSS climbs for as long as new blocks get used: up to
-  the whole cache (750 MiB for SmolLM2 at 1,024 blocks of 16). ``cbgen serve`` commits
-  it at start (``EngineCore.commit_cache_memory``): the memory is held from the first
-  call, and a machine without it fails at start rather than hours later;
+  the whole cache (750 MiB for SmolLM2 at 1,024 blocks of 16). ``cbgen serve
+  --commit-kv-cache`` commits it at start (``EngineCore.commit_cache_memory``): the
+  memory is held from the first call, and a machine without it fails at start rather
+  than hours later (not the default: the default cache is 40% of free memory, up to
+  8 GiB, more than most runs touch);
 * oneDNN keeps a compiled primitive per GEMM shape, up to 1,024 of them
   (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``); every new batch shape adds one;
 * freed heap memory goes back to the OS only from the heap's top, unless trimmed.
