@@ -225,6 +225,7 @@ async def soak(base_url: str, model: str, pid: int, args) -> dict:
 def check(stats: dict, base_url: str, model: str, pid: int, args) -> bool:
     metrics = _wait_idle(base_url, 60)
     stats["kv_blocks_used_idle"] = _metric(metrics, "cbgen_kv_blocks_used")
+    time.sleep(5)  # the server trims its heap when it goes idle
     stats["rss_idle_mib"] = round(rss_mib(pid), 1)
     after = httpx.post(
         f"{base_url}/v1/completions",
@@ -232,14 +233,19 @@ def check(stats: dict, base_url: str, model: str, pid: int, args) -> bool:
         timeout=60,
     )
     stats["still_serving"] = after.status_code == 200
-    samples = stats["samples"]
+    samples = [s for s in stats["samples"] if s["calls"] >= args.warmup]
     warm = samples[0]["rss_mib"] if samples else float("nan")
     end = samples[-1]["rss_mib"] if samples else float("nan")
     stats["rss_growth"] = round(end / warm - 1, 4) if samples else None
+    later = [s["rss_mib"] for s in stats["samples"] if s["calls"] >= args.calls // 4]
+    if later:  # after the first quarter: how flat it stays
+        stats["rss_range_after_first_quarter"] = [min(later), max(later)]
     print(
         f"{args.calls} calls in {stats['wall_s']} s; statuses {dict(sorted(stats['statuses'].items()))}; "
         f"{stats['cancelled']} hung up on purpose; kinds {stats['kinds']}"
     )
+    if later:
+        print(f"RSS from call {args.calls // 4} on: {min(later):.1f} to {max(later):.1f} MiB")
     print(
         f"RSS after {samples[0]['calls'] if samples else 0} calls {warm:.1f} MiB, at the end "
         f"{end:.1f} MiB ({100 * (stats['rss_growth'] or 0):+.1f}%), idle {stats['rss_idle_mib']} MiB; "
@@ -281,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--rss-tolerance", type=float, default=0.10)
+    parser.add_argument(
+        "--warmup", type=int, default=500, help="calls before the RSS the end is compared with"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="per-call seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",

@@ -63,7 +63,7 @@ class HeapTrimmer:
     milliseconds, which an idle moment does not feel."""
 
     def __init__(
-        self, busy: Callable[[], bool], interval: float = 5.0, every: float = 60.0
+        self, busy: Callable[[], bool], interval: float = 2.0, every: float = 10.0
     ) -> None:
         if interval <= 0 or every <= 0:
             raise ValueError(f"interval and every must be positive, got {interval}, {every}")
