@@ -4,7 +4,7 @@ Requests are parsed with pydantic (``extra="allow"``): fields cbgen implements a
 typed here (OpenAI's, and vLLM's extensions with vLLM's meaning); any other field is
 looked up in ``_NEUTRAL`` (OpenAI parameters that are accepted at their default, "off"
 value, or ignored because they change nothing here) and rejected otherwise, so
-``tools`` or ``suffix="x"`` get a 400 that names them rather than being silently dropped.
+``functions`` or ``suffix="x"`` get a 400 that names them rather than being silently dropped.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: Any = None  # an assistant's calls (checked by ``tools.template_tool_calls``)
+    tool_calls: Any = None  # an assistant's calls (checked by ``template_tool_calls``)
     tool_call_id: str | None = None  # the call a tool message answers
     reasoning_content: str | None = None  # an assistant's reasoning (templates may read it)
 
@@ -273,7 +273,7 @@ def template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
         if isinstance(arguments, str):
             try:
                 decoded = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 decoded = arguments
             arguments = decoded if isinstance(decoded, dict) else arguments
         entry = {"type": "function", "function": {"name": name, "arguments": arguments}}
