@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from conftest import make_tiny_model, random_prompts, reference_greedy
 
@@ -218,3 +222,25 @@ def test_n_and_priority_are_validated(llama):
         with pytest.raises(ValueError, match="generate_batch"):
             engine.add_request([5, 6], SamplingParams(n=2))
         assert not engine.has_unfinished()
+
+
+def test_block_hashes_agree_across_processes_whatever_the_hash_seed():
+    """Several processes (tensor-parallel ranks, server replicas) must name a block the
+    same way: the digests are BLAKE2b, not Python's salted ``hash``."""
+    script = (
+        "from cbgen.cache.prefix_cache import extend_block_hashes;"
+        "print(b''.join(extend_block_hashes([], list(range(100)), 16, 6, b'adapter:1')).hex(),"
+        " hash('cbgen'))"
+    )
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    assert outputs[0][1] != outputs[1][1]  # Python's own hash did differ
+    assert outputs[0][0] == outputs[1][0] and len(outputs[0][0]) == 6 * 32
