@@ -96,7 +96,10 @@ def plan_cache(
         num_blocks = config.max_num_seqs * -(-context // config.block_size)
     else:
         # A draft's cache holds as many blocks as the target's, from the same budget.
-        budget = config.kv_cache_memory or default_cache_budget(device)
+        # CPU ranks of a tensor-parallel engine share the host's memory: each takes its
+        # share of the default budget (an explicit kv_cache_memory is per rank).
+        ranks = config.tensor_parallel_size if device.type == "cpu" else 1
+        budget = config.kv_cache_memory or default_cache_budget(device) // ranks
         # The state slots (running requests' and checkpoints) come first.
         states = state_per_request * (config.max_num_seqs + num_checkpoints)
         num_blocks = (budget - states) // ((per_token + draft_bytes_per_token) * config.block_size)

@@ -84,6 +84,16 @@ class EngineConfig:
     ``max_loras`` LoRA adapters of rank up to ``max_lora_rank`` can be held at once
     (``EngineCore.add_lora``); rows of different adapters and base rows share every step.
     An adapter costs memory only once added; ``max_loras=0`` turns LoRA off.
+
+    ``tensor_parallel_size`` splits the model over that many processes (this one and
+    ``tensor_parallel_size - 1`` workers; ``cbgen.executor.parallel``): each holds its
+    share of the attention heads and MLP widths, and of the KV cache, and the ranks sum
+    their partial results with an all-reduce (gloo on CPU, NCCL on CUDA). The scheduler,
+    cache manager and sampler stay in this process. ``threads_per_rank`` is each rank's
+    thread (and core) count; ``None`` gives each rank a NUMA node when there are as many
+    nodes as ranks, else an equal share of the usable cores. Under tensor parallelism,
+    ``kv_cache_memory`` is per rank, and LoRA, speculative decoding, async scheduling and
+    weight updates are refused.
     """
 
     block_size: int = 16
@@ -108,6 +118,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
+    tensor_parallel_size: int = 1
+    threads_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
@@ -120,6 +132,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self._check_parallel()
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -151,3 +164,23 @@ class EngineConfig:
                 f"scheduler_policy must be one of {SCHEDULER_POLICIES}, "
                 f"got {self.scheduler_policy!r}"
             )
+
+    def _check_parallel(self) -> None:
+        size, threads = self.tensor_parallel_size, self.threads_per_rank
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        ):
+            raise ValueError(f"threads_per_rank must be a positive int or None, got {threads!r}")
+        if size == 1:
+            return
+        for name, on in (
+            ("async_scheduling", self.async_scheduling),
+            ("speculative", self.speculative is not None),
+        ):
+            if on:
+                raise ValueError(
+                    f"{name} is not supported with tensor_parallel_size={size}; "
+                    f"turn it off or use tensor_parallel_size=1"
+                )

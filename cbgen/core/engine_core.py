@@ -16,6 +16,7 @@ from ..cache.allocator import BlockAllocator
 from ..executor.batch import StepBatch
 from ..executor.cpu.openmp import release_thread_team
 from ..executor.model_executor import ModelExecutor
+from ..executor.parallel import TensorParallelExecutor
 from ..executor.step_sampling import grammar_bitmask
 from ..requests.detokenizer import make_decoder
 from ..requests.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -72,14 +73,7 @@ class EngineCore(Lifecycle, Loras):
         draft_model = draft_model_for(self.config.speculative, model)
         # The runner's backends are chosen here, once (``engine.executor.runner.describe()``).
         self.eos_token_ids = model_eos_ids(model)  # the sampler's, grammars' and stop rule's
-        self.executor = ModelExecutor(
-            model,
-            use_native_kernels=self.config.use_native_kernels,
-            prepack_linear=self.config.prepack_linear,
-            eos_token_ids=self.eos_token_ids,
-            max_loras=self.config.max_loras,
-            max_lora_rank=self.config.max_lora_rank,
-        )
+        self.executor = _make_executor(model, self.config, self.eos_token_ids)
         self._loras: dict[str, _Loaded] = {}  # LoRA adapters by name (``add_lora``)
         self.proposer: Proposer | None = None  # None: no speculation
         try:
@@ -414,6 +408,29 @@ class EngineCore(Lifecycle, Loras):
         finished and forgotten, or if the id is unknown."""
         request = self._requests.get(request_id)
         return request.status if request is not None else None
+
+
+def _make_executor(
+    model: torch.nn.Module, config: EngineConfig, eos_token_ids: set[int]
+) -> ModelExecutor:
+    """This process's executor, or the driver of ``config.tensor_parallel_size`` ranks."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(
+            model,
+            tensor_parallel_size=config.tensor_parallel_size,
+            threads_per_rank=config.threads_per_rank,
+            use_native_kernels=config.use_native_kernels,
+            prepack_linear=config.prepack_linear,
+            eos_token_ids=eos_token_ids,
+        )
+    return ModelExecutor(
+        model,
+        use_native_kernels=config.use_native_kernels,
+        prepack_linear=config.prepack_linear,
+        eos_token_ids=eos_token_ids,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+    )
 
 
 @dataclass

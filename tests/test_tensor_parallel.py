@@ -1,0 +1,256 @@
+"""Tensor parallelism: the shard plan, the shards' arithmetic, and the engine over gloo.
+
+Exactness: the ranks' partial sums are added in another order than one GEMM adds them,
+so logits differ from one process's in the last bits (checked below to 1e-5); greedy
+output on these prompts is token-identical to ``model.generate()``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from architectures import build_config
+from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
+
+from cbgen import EngineConfig, EngineCore, SamplingParams
+from cbgen.executor.parallel import TensorParallelError, plan_shards
+from cbgen.executor.parallel.group import RankGroup
+from cbgen.executor.parallel.placement import parse_cpulist, rank_cpus
+from cbgen.executor.parallel.sharding import _head_spans, local_heads, shard_model
+
+
+def _moe_model(arch: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(build_config(arch), dtype=torch.float32).eval()
+
+
+def _model(arch: str) -> torch.nn.Module:
+    if arch in ("mixtral", "qwen2_moe"):
+        return _moe_model(arch)
+    if arch == "llama-kv1":
+        return make_tiny_model("llama", num_key_value_heads=1)
+    if arch == "llama-bias":
+        return make_tiny_model("llama", attention_bias=True, mlp_bias=True)
+    return make_tiny_model(arch)
+
+
+# -- the plan ---------------------------------------------------------------------------
+
+
+def test_plan_splits_every_attention_and_mlp_block_of_llama():
+    plan = plan_shards(make_tiny_model("llama"), 2)
+    kinds = sorted(b.kind for b in plan.blocks)
+    assert kinds == ["attention", "attention", "mlp", "mlp"]
+    assert plan.replicated == {}
+    attention = next(b for b in plan.blocks if b.kind == "attention")
+    assert (attention.heads, attention.kv_heads, attention.head_dim) == (4, 2, 16)
+    assert local_heads(attention, 2) == (2, 1)
+    assert "split 2 attention, 2 mlp blocks" in plan.describe()
+
+
+def test_fewer_kv_heads_than_ranks_replicates_the_kv_head_each_rank_reads():
+    plan = plan_shards(make_tiny_model("llama", num_key_value_heads=1), 2)
+    attention = next(b for b in plan.blocks if b.kind == "attention")
+    assert local_heads(attention, 2) == (2, 1)
+    for rank in (0, 1):
+        spans = _head_spans(attention, 2, rank)
+        assert spans["q_proj"] == (rank * 32, rank * 32 + 32)
+        assert spans["k_proj"] == spans["v_proj"] == (0, 16)  # the only K/V head
+
+
+def test_blocks_that_do_not_split_stay_whole_with_the_reason():
+    # Olmo2 normalises q and k over all heads at once: its attention stays whole.
+    plan = plan_shards(make_tiny_model("olmo2"), 2)
+    assert sorted(b.kind for b in plan.blocks) == ["mlp", "mlp"]
+    assert all("colwise_gather_output" in why for why in plan.replicated.values())
+    # Three ranks split neither 4 heads nor a width of 128.
+    with pytest.raises(ValueError, match="cannot split any block of LlamaForCausalLM over 3"):
+        plan_shards(make_tiny_model("llama"), 3)
+
+
+def test_a_model_without_a_tp_plan_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no tensor-parallel plan"):
+        plan_shards(make_tiny_model("gpt2"), 2)
+    with pytest.raises(ValueError, match="no tensor-parallel plan"):
+        EngineCore(make_tiny_model("gpt2"), EngineConfig(tensor_parallel_size=2, num_blocks=8))
+
+
+def test_moe_experts_split_their_intermediate_width():
+    plan = plan_shards(_moe_model("mixtral"), 2)
+    assert sorted(b.kind for b in plan.blocks) == ["attention"] * 2 + ["experts"] * 2
+
+
+# -- the shards' arithmetic, two ranks as two threads of this process --------------------
+
+
+def _sharded_logits(model: torch.nn.Module, world: int, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each rank's logits of ``ids`` through its shard (the model's own eager forward)."""
+    plan = plan_shards(model, world)
+    store = RankGroup.listen(world, timeout_s=60)
+    results: list[torch.Tensor | BaseException | None] = [None] * world
+
+    def rank_main(rank: int) -> None:
+        try:
+            group = RankGroup(
+                rank, world, store.port, torch.device("cpu"), store=store if rank == 0 else None
+            )
+            shard = shard_model(model, plan, rank, group.all_reduce)
+            with torch.inference_mode():
+                results[rank] = shard(input_ids=ids).logits
+        except BaseException as exc:  # surfaced below
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama-kv1", "llama-bias", "qwen3", "gemma2", "mixtral", "qwen2_moe"]
+)
+def test_shards_sum_to_the_whole_model(arch):
+    model = _model(arch)
+    model.set_attn_implementation("eager")
+    ids = torch.tensor([random_prompts(1, 12, 12, seed=3)[0]])
+    with torch.inference_mode():
+        whole = model(input_ids=ids).logits
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for logits in _sharded_logits(model, 2, ids):
+        torch.testing.assert_close(logits, whole, atol=1e-5, rtol=1e-5)
+    # The caller's model is left as it was.
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# -- the engine over processes -----------------------------------------------------------
+
+ENGINE_ARCHITECTURES = [
+    "llama",
+    "llama-kv1",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "mistral-sliding",
+    "mixtral",
+    "qwen2_moe",
+]
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHITECTURES)
+def test_tp2_greedy_equals_generate(arch):
+    """Chunked prefill (8-token steps) and preemption (20 blocks of 4) included."""
+    model = _model(arch)
+    prompts = random_prompts(5, 3, 14, seed=11)
+    config = EngineConfig(tensor_parallel_size=2, block_size=4, num_blocks=20, max_batch_tokens=8)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    with EngineCore(model, config) as engine:
+        ids = [engine.add_request(p, params) for p in prompts]
+        results = run_until_done(engine)
+        stats = engine.executor.reduce_stats()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert results[rid].token_ids == reference_greedy(model, prompt, 8), rid
+    # One all-reduce per attention and per MLP block in every forward, on both ranks.
+    assert stats[0][1] == stats[1][1] > 0
+
+
+def test_tp2_with_swap_preemption_and_the_prefix_cache():
+    model = make_tiny_model("llama")
+    shared = random_prompts(1, 12, 12, seed=5)[0]
+    prompts = [shared + p for p in random_prompts(4, 2, 6, seed=6)]
+    config = EngineConfig(
+        tensor_parallel_size=2,
+        block_size=4,
+        num_blocks=14,
+        max_batch_tokens=16,
+        preemption_mode="swap",
+    )
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    with EngineCore(model, config) as engine:
+        ids = [engine.add_request(p, params) for p in prompts]
+        results = run_until_done(engine)
+        stats = dict(engine.stats)
+    assert stats["cached_tokens"] > 0 and stats["swapped_in"] > 0
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert results[rid].token_ids == reference_greedy(model, prompt, 16)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] != "Z":
+                    alive.append(pid)
+        except FileNotFoundError:
+            pass
+    return alive
+
+
+def test_a_dead_worker_fails_the_engine_clearly_and_nothing_is_left_behind():
+    model = make_tiny_model("llama")
+    engine = EngineCore(model, EngineConfig(tensor_parallel_size=2, num_blocks=32))
+    pids = [p.pid for p, _ in engine.executor._workers]
+    params = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request([5, 6, 7], params)
+    engine.step()
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) died with exit code -9"):
+        for _ in range(10):
+            engine.step()
+    # Every later call says the same, at once.
+    with pytest.raises(TensorParallelError, match="died"):
+        engine.step()
+    engine.close()
+    assert _alive(pids) == []
+
+
+def test_close_ends_every_worker():
+    engine = EngineCore(
+        make_tiny_model("llama"), EngineConfig(tensor_parallel_size=2, num_blocks=8)
+    )
+    pids = [p.pid for p, _ in engine.executor._workers]
+    assert _alive(pids) == pids
+    engine.close()
+    deadline = time.monotonic() + 10
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _alive(pids) == []
+
+
+def test_what_tensor_parallelism_refuses():
+    with pytest.raises(ValueError, match="async_scheduling is not supported"):
+        EngineConfig(tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="threads_per_rank"):
+        EngineConfig(tensor_parallel_size=2, threads_per_rank=0)
+    model = make_tiny_model("llama")
+    with EngineCore(model, EngineConfig(tensor_parallel_size=2, num_blocks=8)) as engine:
+        with pytest.raises(ValueError, match="LoRA adapters do not run under tensor parallel"):
+            engine.executor.check_lora({})
+        with pytest.raises(ValueError, match="not supported under tensor parallelism"):
+            engine.update_weights({})
+
+
+# -- placement ---------------------------------------------------------------------------
+
+
+def test_cpulists_and_rank_cores():
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    cores = rank_cpus(2, threads_per_rank=1)
+    assert [len(c) for c in cores] == [1, 1]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert cores[0] != cores[1]
