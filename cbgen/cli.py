@@ -17,6 +17,7 @@ from typing import Any
 
 from .core.config import EngineConfig
 from .core.engine_core import EngineCore
+from .frontends.args.parallel import add_parallel_arguments, parallel_settings
 from .frontends.args.precision import add_precision_arguments, load_model_for
 from .frontends.args.speculative import add_speculative_arguments, speculative_config
 from .frontends.args.structured import add_structured_arguments, structured_output
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_structured_arguments(gen)
     add_precision_arguments(gen)
     add_speculative_arguments(gen)
+    add_parallel_arguments(gen)
     gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     gen.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     gen.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -121,6 +123,7 @@ def generate_command(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             kv_cache_dtype=args.kv_cache_dtype,
             speculative=speculative_config(args),
+            **parallel_settings(args),
         )
         # Built apart, so the rates below count generation only: the first run on a
         # machine compiles the native kernels (about a minute), every run packs weights.

@@ -18,10 +18,10 @@ from architectures import build_config
 from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.executor.parallel import TensorParallelError, plan_shards
+from cbgen.executor.parallel.executor import TensorParallelError
 from cbgen.executor.parallel.group import RankGroup
 from cbgen.executor.parallel.placement import parse_cpulist, rank_cpus
-from cbgen.executor.parallel.sharding import _head_spans, local_heads, shard_model
+from cbgen.executor.parallel.sharding import _head_spans, local_heads, plan_shards, shard_model
 
 
 def _moe_model(arch: str) -> torch.nn.Module:
@@ -149,6 +149,9 @@ ENGINE_ARCHITECTURES = [
 ]
 
 
+FAST_ARCHITECTURES = {"llama", "llama-kv1", "qwen2", "qwen3", "mistral-sliding"}
+
+
 @pytest.mark.parametrize("arch", ENGINE_ARCHITECTURES)
 def test_tp2_greedy_equals_generate(arch):
     """Chunked prefill (8-token steps) and preemption (20 blocks of 4) included."""
@@ -160,6 +163,9 @@ def test_tp2_greedy_equals_generate(arch):
         ids = [engine.add_request(p, params) for p in prompts]
         results = run_until_done(engine)
         stats = engine.executor.reduce_stats()
+        fast = engine.executor.runner.fast_forward is not None
+    # The Llama-family fast decoder runs the rank's shard, with the all-reduces itself.
+    assert fast == (arch in FAST_ARCHITECTURES)
     for rid, prompt in zip(ids, prompts, strict=True):
         assert results[rid].token_ids == reference_greedy(model, prompt, 8), rid
     # One all-reduce per attention and per MLP block in every forward, on both ranks.

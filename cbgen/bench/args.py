@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import EngineConfig
+from ..frontends.args.parallel import add_parallel_arguments
 from ..frontends.args.speculative import add_speculative_arguments
 from .peers import PEERS
 from .systems import SYSTEMS
@@ -91,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     add_speculative_arguments(parser)
+    add_parallel_arguments(parser)
 
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, help="output folder (default bench/results/<timestamp>/)")

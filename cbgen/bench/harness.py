@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from ..core.config import EngineConfig
+from ..frontends.args.parallel import parallel_settings
 from ..frontends.args.speculative import describe, speculative_settings
 from ..sysmem import cpu_name, meminfo_kib
 from . import metrics
@@ -62,6 +63,8 @@ class Bench:
         }
         if args.num_blocks:
             self.engine_config["num_blocks"] = args.num_blocks
+        if args.tensor_parallel_size != 1:
+            self.engine_config.update(parallel_settings(args))
         self.engine_config.update(parse_engine_options(args.engine_option))
         try:
             EngineConfig(**self.engine_config)  # validate early

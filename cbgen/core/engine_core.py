@@ -16,7 +16,7 @@ from ..cache.allocator import BlockAllocator
 from ..executor.batch import StepBatch
 from ..executor.cpu.openmp import release_thread_team
 from ..executor.model_executor import ModelExecutor
-from ..executor.parallel import TensorParallelExecutor
+from ..executor.parallel.executor import TensorParallelExecutor
 from ..executor.step_sampling import grammar_bitmask
 from ..requests.detokenizer import make_decoder
 from ..requests.request import FinishReason, Request, RequestOutput, RequestStatus

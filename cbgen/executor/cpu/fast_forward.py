@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..metadata import ProbeRecord
+from ..parallel.sharding import REDUCE_HOOK_ATTR
 from .embedding_rows import file_rows
 from .prepack import LinearMap, PackedLinears
 
@@ -70,6 +72,10 @@ class _Layer:
     sliding_window: int | None
     # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding.
     qk_norms: tuple[torch.Tensor, float, torch.Tensor, float] | None = None
+    # Tensor parallelism: the all-reduce (plus bias) after o and after down, when the
+    # maps hold a rank's slice (``cbgen.executor.parallel.sharding.RowReduce.apply``).
+    o_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    down_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class FastForward:
@@ -145,11 +151,15 @@ class FastForward:
                 store=False,  # rope_qkv stored them
             )
             delta = layer.o(out.reshape(tokens, -1).to(dtype))
+            if layer.o_reduce is not None:
+                delta = layer.o_reduce(delta)
             x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps, dtype)
             gate_up = layer.gate_up(x)
             act = F.silu(gate_up[:, : layer.intermediate])
             act.mul_(gate_up[:, layer.intermediate :])
             delta = layer.down(act)
+            if layer.down_reduce is not None:
+                delta = layer.down_reduce(delta)
         rows = batch.logits_indices
         if rows.numel() == 0:
             return hidden.new_empty(0, self.vocab_size)
@@ -227,11 +237,17 @@ def plan_fast_forward(
     _require(lm_head is not None, "the LM head is not prepacked")
     assert lm_head is not None
 
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     first = base.layers[0].self_attn if len(base.layers) else None
     head_dim = int(getattr(first, "head_dim", 0))
     _require(head_dim > 0 and head_dim % 2 == 0, "no even head_dim on the attention module")
+    # The heads this process holds: the config's, or a tensor-parallel rank's share.
+    heads = int(first.q_proj.out_features) // head_dim  # type: ignore[union-attr]
+    kv_heads = int(first.k_proj.out_features) // head_dim  # type: ignore[union-attr]
+    _require(
+        heads * head_dim == first.q_proj.out_features  # type: ignore[union-attr]
+        and heads % max(kv_heads, 1) == 0,
+        "query heads that are not groups of K/V heads",
+    )
     _require(_rotary_width(base, head_dim), "the rotary embedding does not span the head")
 
     layers = []
@@ -246,7 +262,7 @@ def plan_fast_forward(
             and attn.q_proj.out_features == heads * head_dim
             and attn.k_proj.out_features == kv_heads * head_dim
             and attn.v_proj.out_features == kv_heads * head_dim,
-            "attention heads differ from the config",
+            "attention heads differ between layers",
         )
         _require(
             type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"),
@@ -274,6 +290,8 @@ def plan_fast_forward(
                 scale=float(attn.scaling),
                 sliding_window=probe.layers[index].sliding_window,
                 qk_norms=qk_norms,
+                o_reduce=_row_reduce(attn.o_proj),
+                down_reduce=_row_reduce(mlp.down_proj),
             )
         )
     _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
@@ -315,13 +333,26 @@ def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
 
 
 def _hook_free(model: nn.Module) -> bool:
+    """No hook on any module, but tensor parallelism's all-reduce (which the fast path
+    runs itself, ``_row_reduce``)."""
     from torch.nn.modules import module as torch_module
 
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
     return not any(
-        m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()
+        (m._forward_hooks and _row_reduce(m) is None)
+        or m._forward_pre_hooks
+        or hasattr(m, "_hf_hook")
+        for m in model.modules()
     )
+
+
+def _row_reduce(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The all-reduce of a tensor-parallel row-wise map when it is the module's only hook."""
+    hooks = list(module._forward_hooks.values())
+    if len(hooks) == 1 and getattr(hooks[0], REDUCE_HOOK_ATTR, False):
+        return hooks[0].apply  # type: ignore[no-any-return]
+    return None
 
 
 def _is_rms_norm(module: object) -> bool:

@@ -1,8 +1,6 @@
 """Tensor parallelism: one engine's model split over several processes (CPU ranks over
-gloo, GPUs over NCCL). ``TensorParallelExecutor`` is the engine's side; ``sharding``
-says which weights each rank holds; ``worker`` is the other ranks' process."""
+gloo, GPUs over NCCL). ``executor.TensorParallelExecutor`` is the engine's side;
+``sharding`` says which weights each rank holds; ``worker`` is the other ranks' process.
 
-from .executor import TensorParallelError, TensorParallelExecutor
-from .sharding import ShardPlan, plan_shards
-
-__all__ = ["ShardPlan", "TensorParallelError", "TensorParallelExecutor", "plan_shards"]
+Nothing is imported here: the fast decoder (``cbgen.executor.cpu.fast_forward``) reads
+``sharding``'s hook marker, and ``executor`` imports the executor that imports it."""

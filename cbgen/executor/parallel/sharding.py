@@ -325,17 +325,23 @@ def _rebind(module: Any, block: ShardedBlock, world: int, reduce: Reduce) -> Non
                 setattr(module, attr, value)
     if block.kind == EXPERTS and hasattr(module, "intermediate_dim"):
         module.intermediate_dim = module.down_proj.shape[2]
-    target.register_forward_hook(_reduce_hook(reduce, bias))
+    target.register_forward_hook(RowReduce(reduce, bias))
 
 
-def _reduce_hook(reduce: Reduce, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
-    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+class RowReduce:
+    """The forward hook of a row-wise block: sums the ranks' partial outputs, then adds
+    the map's bias once. ``apply`` is the same for a caller without modules (the fast
+    decoder, which finds it on the module through ``REDUCE_HOOK_ATTR``)."""
+
+    def __init__(self, reduce: Reduce, bias: torch.Tensor | None) -> None:
+        self.reduce, self.bias = reduce, bias
+        setattr(self, REDUCE_HOOK_ATTR, True)
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return self.apply(output)
+
+    def apply(self, output: torch.Tensor) -> torch.Tensor:
         if not output.is_contiguous():
             output = output.contiguous()
-        reduce(output)
-        if bias is not None:
-            output = output + bias
-        return output
-
-    setattr(hook, REDUCE_HOOK_ATTR, True)
-    return hook
+        self.reduce(output)
+        return output if self.bias is None else output + self.bias

@@ -8,6 +8,7 @@ from typing import Any
 
 from ...core.config import EngineConfig
 from ..args.lora import add_lora_arguments, lora_modules
+from ..args.parallel import add_parallel_arguments, parallel_settings
 from ..args.precision import add_precision_arguments
 from ..args.structured import add_structured_arguments, structured_output
 
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_lora_arguments(parser)
+    add_parallel_arguments(parser)
 
 
 def batch_command(args: argparse.Namespace) -> int:
@@ -79,6 +81,7 @@ def batch_command(args: argparse.Namespace) -> int:
                 kv_cache_dtype=args.kv_cache_dtype,
                 max_loras=args.max_loras,
                 max_lora_rank=args.max_lora_rank,
+                **parallel_settings(args),
             ),
             "lora_modules": lora_modules(args),
         }

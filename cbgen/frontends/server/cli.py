@@ -12,6 +12,7 @@ from typing import Any
 
 from ...core.config import EngineConfig
 from ..args.lora import add_lora_arguments, lora_modules
+from ..args.parallel import add_parallel_arguments, parallel_settings
 from ..args.precision import add_precision_arguments, load_model_for
 from ..args.speculative import add_speculative_arguments, speculative_config
 from .guard import LOOPBACK_HOSTS
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_precision_arguments(parser)
     add_speculative_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     parser.add_argument("--num-blocks", type=int, help="KV cache blocks (default: memory budget)")
     parser.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_batch_tokens)
@@ -220,6 +222,7 @@ def serve(args: argparse.Namespace) -> int:
         speculative=speculative_config(args),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        **parallel_settings(args),
     )
     engine = Engine(
         model,
