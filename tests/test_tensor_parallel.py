@@ -260,3 +260,110 @@ def test_cpulists_and_rank_cores():
     assert [len(c) for c in cores] == [1, 1]
     if len(os.sched_getaffinity(0)) >= 2:
         assert cores[0] != cores[1]
+
+
+# -- through the server and `cbgen batch` ------------------------------------------------
+
+
+def test_the_server_at_tp2_answers_as_tp1_and_503s_once_a_rank_dies():
+    import httpx
+    import openai
+    import uvicorn
+    from test_server import smollm2_tokenizer, tiny_model, uvicorn_in_thread
+
+    from cbgen import Engine
+    from cbgen.frontends.server import create_app
+
+    tokenizer = smollm2_tokenizer()
+    model = tiny_model(tokenizer)
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    want = [reference_greedy(model, p, 8) for p in ids]
+    engine = Engine(model, tokenizer, EngineConfig(tensor_parallel_size=2, num_blocks=64))
+    app = create_app(engine, tokenizer, "tiny")
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    try:
+        with uvicorn_in_thread(uv) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+            for prompt, expected in zip(ids, want, strict=True):
+                reply = client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=8, temperature=0
+                )
+                text = tokenizer.decode(expected, skip_special_tokens=True)
+                assert reply.choices[0].text == text
+            assert httpx.get(f"{base}/health").status_code == 200
+            worker = engine.core.executor._workers[0][0]
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(10)
+            with pytest.raises(openai.APIStatusError):  # the call in the failing step
+                client.completions.create(model="tiny", prompt=ids[0], max_tokens=8)
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model="tiny", prompt=ids[0], max_tokens=8)
+            assert refused.value.status_code == 503
+            assert "tensor-parallel rank 1" in str(refused.value)
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 503
+            assert "died with exit code -9" in health.json()["error"]
+    finally:
+        engine.close()
+
+
+def test_cbgen_batch_at_tp2_matches_generate_batch(tiny_chat_model_dir, tmp_path, capsys):
+    from conftest import expected_token_ids, job_rows, write_jsonl
+
+    from cbgen.cli import main
+    from cbgen.frontends.jobs.files import read_rows
+
+    rows = job_rows(6)
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ["batch", "--model", str(tiny_chat_model_dir), "--input", str(tmp_path / "in.jsonl")]
+    args += ["--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "5", "--no-progress"]
+    assert main([*args, "--tensor-parallel-size", "2"]) == 0
+    out = read_rows(tmp_path / "out.jsonl")
+    assert [r["token_ids"] for r in out] == expected_token_ids(tiny_chat_model_dir, rows, 5)
+
+
+DRIVER_SCRIPT = """
+import sys, torch
+from transformers import LlamaConfig, AutoModelForCausalLM
+from cbgen import EngineConfig, EngineCore, SamplingParams
+
+if __name__ == "__main__":
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with EngineCore(model, EngineConfig(tensor_parallel_size=2, num_blocks=64)) as engine:
+        print(*[p.pid for p, _ in engine.executor._workers], flush=True)
+        params = SamplingParams(max_new_tokens=10**6, temperature=0.0, ignore_eos=True)
+        while True:  # until a signal: requests that never end
+            engine.add_request([5, 6, 7], params)
+            for _ in range(50):
+                engine.step()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill"])
+def test_no_worker_outlives_its_driver(tmp_path, sig):
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_SCRIPT)
+    driver = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert driver.stdout is not None
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 1 and _alive(pids) == pids
+        driver.send_signal(sig)
+        driver.wait(30)
+        deadline = time.monotonic() + 20
+        while _alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(pids) == []
+        if sig == signal.SIGINT:
+            assert "KeyboardInterrupt" in (driver.stderr.read() if driver.stderr else "")
+    finally:
+        driver.kill()
+        driver.wait()

@@ -225,6 +225,12 @@ class EngineCore(Lifecycle, Loras):
         return self._in_flight is not None or self.scheduler.has_unfinished()
 
     @property
+    def failure(self) -> str | None:
+        """Why this engine can run no more steps (a tensor-parallel rank failed), or None.
+        Once set, every ``step()`` raises; ``close()`` still works."""
+        return self.executor.failure
+
+    @property
     def num_unfinished(self) -> int:
         """Requests waiting or running (not counting a step in flight)."""
         return self.scheduler.num_unfinished

@@ -45,6 +45,9 @@ class CacheSpec(NamedTuple):
 class ModelExecutor:
     """The model's runner, its cache tensors and its sampler (see the module's docstring)."""
 
+    # Why the executor can run no more steps (a tensor-parallel rank died); None: it can.
+    failure: str | None = None
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -41,6 +41,10 @@ from .worker import WorkerSpec, worker_main
 logger = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 10.0
+_SPAWN_HINT = (
+    "a worker process starts by importing the script that built the engine, so a script "
+    "must build a tensor-parallel engine under `if __name__ == '__main__':`"
+)
 
 
 class TensorParallelError(RuntimeError):
@@ -97,7 +101,10 @@ class TensorParallelExecutor(ModelExecutor):
                 child.close()
                 self._workers.append((process, parent))
             for rank in range(1, world):
-                self._reply(rank, "loaded", timeout_s)
+                try:
+                    self._reply(rank, "loaded", timeout_s)
+                except TensorParallelError as exc:
+                    raise TensorParallelError(f"{exc} while starting; {_SPAWN_HINT}") from None
             torch.set_num_threads(max(1, len(cpus[0])))
             device = next(model.parameters()).device
             self.group = RankGroup(0, world, store.port, device, store=store, timeout_s=timeout_s)

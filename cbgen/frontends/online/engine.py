@@ -133,6 +133,14 @@ class Engine:
         """Whether the loop thread is started and has not stopped (closed or failed)."""
         return self._loop.thread is not None and not self._results.stopped
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped on its own (a tensor-parallel rank died, or the loop
+        failed), or None."""
+        if self._results.loop_error is None:
+            return None
+        return self._results.closed_reason()
+
     # -- requests -----------------------------------------------------------------------
 
     def add_request(

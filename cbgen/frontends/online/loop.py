@@ -11,7 +11,9 @@ publishes an ``EngineSnapshot``.
 
 Failures: an exception from ``core.step()`` finishes the requests that were in it (the
 running ones) with ``"error"`` and the message, aborts them in the core, and the loop
-goes on. On close it aborts what is left and settles every request with ``"aborted"``.
+goes on, unless the core says it can run no more steps (``EngineCore.failure``: a
+tensor-parallel rank died): then every request finishes with that error, the engine
+refuses new ones, and the loop ends. On close it aborts what is left and settles every request with ``"aborted"``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ...executor.cpu.openmp import release_thread_team
 from ...requests.request import FinishReason, RequestOutput, RequestStatus
 from ...sampling.logprobs import copy_entries
 from .outputs import EngineSnapshot, OnlineRequestOutput
-from .results import RequestRecord, ResultStore
+from .results import CoreFailed, RequestRecord, ResultStore
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,12 @@ class EngineLoop:
                 if not closing and self.active and not self.core.is_paused:
                     self._step()
                 self.publish_snapshot()
+        except CoreFailed as exc:  # the core can run no more steps: end, and say why
+            self.results.loop_error = exc
+            with self.results.lock:
+                self.results.closed = True
+            self._shutdown(FinishReason.ERROR, str(exc))
+            return
         except BaseException as exc:  # a bug in this layer: fail everything, stay closable
             logger.exception("cbgen online engine loop died")
             self.results.loop_error = exc
@@ -171,6 +179,9 @@ class EngineLoop:
         try:
             outputs = core.step()
         except Exception as exc:
+            if core.failure is not None:
+                logger.error("cbgen: the engine failed: %s", core.failure)
+                raise CoreFailed(f"the engine failed: {core.failure}") from exc
             self._fail_step(exc)
             return
         deltas = []

@@ -117,6 +117,8 @@ class ResultStore:
 
     def closed_reason(self) -> str:
         if self.loop_error is not None:
+            if isinstance(self.loop_error, CoreFailed):
+                return str(self.loop_error)
             return f"the engine loop died: {self.loop_error!r}"
         return "the engine is closed"
 
@@ -383,3 +385,7 @@ class ResultStore:
             self.any_waiters.clear()
         for waiter in waiters:
             waiter.wake()
+
+
+class CoreFailed(Exception):
+    """The core can run no more steps (``EngineCore.failure``): the loop ends with it."""

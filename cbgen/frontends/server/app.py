@@ -148,7 +148,10 @@ class _Server:
             return JSONResponse({"status": "draining"}, status_code=503)
         if self.engine.is_running:
             return JSONResponse({"status": "ok", "model": self.model_name})
-        return JSONResponse({"status": "engine not running"}, status_code=503)
+        body = {"status": "engine not running"}
+        if self.engine.failure is not None:
+            body["error"] = self.engine.failure
+        return JSONResponse(body, status_code=503)
 
     def models(self) -> dict[str, Any]:
         base = {
