@@ -22,6 +22,7 @@ from cbgen.executor.parallel.executor import TensorParallelError
 from cbgen.executor.parallel.group import RankGroup
 from cbgen.executor.parallel.placement import parse_cpulist, rank_cpus
 from cbgen.executor.parallel.sharding import _head_spans, local_heads, plan_shards, shard_model
+from cbgen.executor.parallel.shm_reduce import ShmAllReduce, create_file, shm_supported
 
 
 def _moe_model(arch: str) -> torch.nn.Module:
@@ -367,3 +368,56 @@ def test_no_worker_outlives_its_driver(tmp_path, sig):
     finally:
         driver.kill()
         driver.wait()
+
+
+# -- the shared-memory all-reduce --------------------------------------------------------
+
+
+@pytest.mark.skipif(not shm_supported(), reason="the shared-memory path is x86-64 only")
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_all_reduce_gives_every_rank_the_same_sum(world):
+    path = create_file(world, 1 << 16)
+    assert path is not None
+    try:
+        ranks = [ShmAllReduce(path, r, world, 1 << 16, lambda: True, 60) for r in range(world)]
+    finally:
+        os.unlink(path)  # the mappings keep it
+    generator = torch.Generator().manual_seed(0)
+    calls = [
+        [torch.randn(n, generator=generator, dtype=torch.float32) for _ in range(world)]
+        for n in (1, 100, 4096, 3000)
+    ] + [[torch.randn(64, 7, generator=generator).bfloat16() for _ in range(world)]]
+    sums: list[list[torch.Tensor]] = [[] for _ in range(world)]
+
+    def rank_main(rank: int) -> None:
+        for parts in calls:  # alternating slots: consecutive calls must not collide
+            tensor = parts[rank].clone()
+            ranks[rank](tensor)
+            sums[rank].append(tensor)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for index, parts in enumerate(calls):
+        want = parts[0].float()
+        for part in parts[1:]:
+            want = want + part.float()
+        for rank in range(world):
+            assert torch.equal(sums[rank][index], sums[0][index])  # the same bits everywhere
+            torch.testing.assert_close(sums[rank][index].float(), want, rtol=1e-2, atol=1e-2)
+    assert not ranks[0].fits(torch.empty(1 << 15))  # 128 KiB: gloo's
+    for r in ranks:
+        r.close()
+
+
+@pytest.mark.skipif(not shm_supported(), reason="the shared-memory path is x86-64 only")
+def test_shared_memory_all_reduce_stops_waiting_for_a_peer_that_is_gone():
+    path = create_file(2, 1 << 12)
+    assert path is not None
+    alone = ShmAllReduce(path, 0, 2, 1 << 12, lambda: False, 600)
+    os.unlink(path)
+    with pytest.raises(RuntimeError, match="peer process is gone"):
+        alone(torch.ones(8))
+    alone.close()

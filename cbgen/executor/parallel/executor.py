@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Sequence
 from concurrent import futures
@@ -36,6 +37,7 @@ from ..model_executor import ModelExecutor
 from .group import DEFAULT_TIMEOUT_S, RankGroup
 from .placement import rank_cpus
 from .sharding import ShardPlan, plan_shards, shard_model
+from .shm_reduce import ShmAllReduce, create_file, shm_supported
 from .worker import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,13 @@ _SPAWN_HINT = (
     "a worker process starts by importing the script that built the engine, so a script "
     "must build a tensor-parallel engine under `if __name__ == '__main__':`"
 )
+
+
+def _shm_capacity(model: torch.nn.Module) -> int:
+    """Bytes of one rank's all-reduce slot: a float32 hidden state of 2,048 tokens,
+    between 1 and 64 MiB (a larger step's sums go through gloo)."""
+    hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 4096)
+    return min(64 << 20, max(1 << 20, hidden * 2048 * 4))
 
 
 class TensorParallelError(RuntimeError):
@@ -77,6 +86,11 @@ class TensorParallelExecutor(ModelExecutor):
         cpus = rank_cpus(world, threads_per_rank)
         store = RankGroup.listen(world, timeout_s)
         context = mp.get_context("spawn")
+        device = next(model.parameters()).device
+        capacity = _shm_capacity(model)
+        shm_path = (
+            create_file(world, capacity) if device.type == "cpu" and shm_supported() else None
+        )
         try:
             for rank in range(1, world):
                 spec = WorkerSpec(
@@ -89,6 +103,8 @@ class TensorParallelExecutor(ModelExecutor):
                     prepack_linear,
                     frozenset(eos_token_ids),
                     timeout_s,
+                    shm_path,
+                    capacity,
                 )
                 parent, child = context.Pipe()
                 process = context.Process(
@@ -106,8 +122,12 @@ class TensorParallelExecutor(ModelExecutor):
                 except TensorParallelError as exc:
                     raise TensorParallelError(f"{exc} while starting; {_SPAWN_HINT}") from None
             torch.set_num_threads(max(1, len(cpus[0])))
-            device = next(model.parameters()).device
-            self.group = RankGroup(0, world, store.port, device, store=store, timeout_s=timeout_s)
+            shm = None
+            if shm_path is not None:
+                shm = ShmAllReduce(shm_path, 0, world, capacity, self._workers_alive, timeout_s)
+            self.group = RankGroup(
+                0, world, store.port, device, store=store, timeout_s=timeout_s, shm=shm
+            )
             shard = shard_model(model, self.plan, 0, self.group.all_reduce)
             super().__init__(
                 shard,
@@ -124,11 +144,20 @@ class TensorParallelExecutor(ModelExecutor):
                     )
         except BaseException as exc:
             problem = self._worker_problem() if isinstance(exc, Exception) else None
+            if self.group is not None:
+                self.group.close()
             self._stop_workers()
             if problem is not None and not isinstance(exc, TensorParallelError):
                 raise TensorParallelError(problem) from exc
             raise
-        logger.info("cbgen: %s", self.plan.describe())
+        finally:
+            if shm_path is not None:  # every rank has it mapped (or failed): no file left
+                os.unlink(shm_path)
+        logger.info(
+            "cbgen: %s; all-reduce through %s",
+            self.plan.describe(),
+            "shared memory" if shm_path is not None else "gloo",
+        )
 
     # -- what differs from one process ----------------------------------------------------
 
@@ -218,6 +247,11 @@ class TensorParallelExecutor(ModelExecutor):
             super().close()
         finally:
             self._stop_workers()
+            if self.group is not None:
+                self.group.close()
+
+    def _workers_alive(self) -> bool:
+        return all(process.is_alive() for process, _ in self._workers)
 
     # -- the workers ----------------------------------------------------------------------
 

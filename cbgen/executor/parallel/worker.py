@@ -28,6 +28,7 @@ import torch
 from ..model_executor import ModelExecutor
 from .group import RankGroup
 from .sharding import ShardPlan, shard_model
+from .shm_reduce import ShmAllReduce
 
 _WATCH_S = 1.0
 
@@ -46,11 +47,14 @@ class WorkerSpec:
     prepack_linear: bool | None
     eos_token_ids: frozenset[int]
     timeout_s: float
+    shm_path: str | None  # the shared-memory all-reduce's file (None: gloo alone)
+    shm_capacity: int
 
 
 def worker_main(conn: Connection, model: torch.nn.Module, spec: WorkerSpec) -> None:
     """The worker process's body (``multiprocessing`` spawn target)."""
-    _watch_parent(os.getppid())
+    parent = os.getppid()
+    _watch_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _place(spec.cpus)
@@ -59,7 +63,19 @@ def worker_main(conn: Connection, model: torch.nn.Module, spec: WorkerSpec) -> N
         if device.type == "cuda":
             device = torch.device("cuda", spec.rank)
             torch.cuda.set_device(device)
-        group = RankGroup(spec.rank, spec.world, spec.port, device, timeout_s=spec.timeout_s)
+        shm = None
+        if spec.shm_path is not None:
+            shm = ShmAllReduce(
+                spec.shm_path,
+                spec.rank,
+                spec.world,
+                spec.shm_capacity,
+                lambda: os.getppid() == parent,
+                spec.timeout_s,
+            )
+        group = RankGroup(
+            spec.rank, spec.world, spec.port, device, timeout_s=spec.timeout_s, shm=shm
+        )
         shard = shard_model(model, spec.plan, spec.rank, group.all_reduce).to(device)
         del model
         executor = ModelExecutor(
@@ -100,6 +116,7 @@ def _serve(conn: Connection, executor: ModelExecutor, group: RankGroup) -> None:
             conn.send(("ok", (group.reduce_seconds, group.reduces)))
         elif command == "close":
             executor.close()
+            group.close()
             conn.send(("ok", None))
             return
         else:
