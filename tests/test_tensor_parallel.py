@@ -421,3 +421,21 @@ def test_shared_memory_all_reduce_stops_waiting_for_a_peer_that_is_gone():
     with pytest.raises(RuntimeError, match="peer process is gone"):
         alone(torch.ones(8))
     alone.close()
+
+
+def test_a_model_another_engine_serves_can_be_split_too():
+    """The other engine's forwards on the modules (prepacked maps) are closures: they
+    stay off the workers' pickles and the shards' copies, and that engine runs on."""
+    model = make_tiny_model("llama")
+    prompts = random_prompts(3, 3, 10, seed=21)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    with EngineCore(model, EngineConfig(num_blocks=32)) as single:
+        assert any("forward" in m.__dict__ for m in model.modules())
+        with EngineCore(model, EngineConfig(tensor_parallel_size=2, num_blocks=32)) as split:
+            ids = [split.add_request(p, params) for p in prompts]
+            results = run_until_done(split)
+        one = [single.add_request(p, params) for p in prompts]
+        alone = run_until_done(single)
+    for rid, other, prompt in zip(ids, one, prompts, strict=True):
+        want = reference_greedy(model, prompt, 6)
+        assert results[rid].token_ids == alone[other].token_ids == want

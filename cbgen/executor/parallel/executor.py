@@ -15,11 +15,12 @@ call raises it again: the engine is down and says why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -47,6 +48,19 @@ _SPAWN_HINT = (
     "a worker process starts by importing the script that built the engine, so a script "
     "must build a tensor-parallel engine under `if __name__ == '__main__':`"
 )
+
+
+@contextlib.contextmanager
+def _portable(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` without the instance ``forward`` overrides another engine's executor put
+    on its modules (closures, which do not pickle) while a worker process is started:
+    the worker runs the classes' own code on its shard."""
+    overrides = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__}
+    try:
+        yield
+    finally:
+        for module, forward in overrides.items():
+            module.__dict__["forward"] = forward
 
 
 def _shm_capacity(model: torch.nn.Module) -> int:
@@ -113,7 +127,8 @@ class TensorParallelExecutor(ModelExecutor):
                     name=f"cbgen-tp-rank{rank}",
                     daemon=True,
                 )
-                process.start()
+                with _portable(model):
+                    process.start()  # pickles the model (its tensors go to shared memory)
                 child.close()
                 self._workers.append((process, parent))
             for rank in range(1, world):

@@ -238,6 +238,10 @@ def shard_model(model: nn.Module, plan: ShardPlan, rank: int, reduce: Reduce) ->
         else:
             memo[id(tensor)] = tensor
     shard = copy.deepcopy(model, memo)
+    for module in shard.modules():
+        # Another engine's executor may have put its own forward on the caller's modules
+        # (prepacked weights): the copy runs the classes' code on its own tensors.
+        module.__dict__.pop("forward", None)
     for block in plan.blocks:
         _rebind(shard.get_submodule(block.path), block, plan.world, reduce)
     return shard
