@@ -3,6 +3,7 @@
 from .core.config import EngineConfig
 from .core.engine_core import EngineCore
 from .core.loras import LoraInfo
+from .executor.parallel.executor import TensorParallelError
 from .frontends.generate import generate_batch
 from .frontends.online import Engine, EngineClosedError, EngineOverloadedError
 from .models.loader import load_model
@@ -29,6 +30,7 @@ __all__ = [
     "SpeculativeConfig",
     "ReasoningSection",
     "StructuredOutput",
+    "TensorParallelError",
     "generate_batch",
     "load_model",
     "rollout",
