@@ -3,7 +3,7 @@
 ``python bench/quality.py`` (about 3 minutes on 2 cores; ``--quick`` for a smoke run)
 
 For each mode (float32, float32 weights with a bfloat16 K/V cache, bfloat16, int8 and
-4-bit weights) it loads SmolLM2-135M-Instruct as a user would
+4-bit weights, and 4-bit with a 4-bit LM head) it loads SmolLM2-135M-Instruct as a user would
 (``cbgen.load_model(..., dtype=, quantization=)``), then through cbgen's engine:
 
 * the perplexity of ``bench/prompts/perplexity.txt`` (an original text of about 3,000
@@ -31,13 +31,14 @@ from cbgen.bench.workloads import build_workload
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "prompts" / "perplexity.txt"
 
-# name: (dtype, quantization, kv_cache_dtype)
-MODES: dict[str, tuple[torch.dtype, str | None, torch.dtype | None]] = {
-    "float32": (torch.float32, None, None),
-    "float32 + bf16 KV": (torch.float32, None, torch.bfloat16),
-    "bfloat16": (torch.bfloat16, None, None),
-    "int8 (bf16 activations)": (torch.bfloat16, "int8", None),
-    "int4 (bf16 activations)": (torch.bfloat16, "int4", None),
+# name: (dtype, quantization, kv_cache_dtype, LM head quantization)
+MODES: dict[str, tuple[torch.dtype, str | None, torch.dtype | None, str | None]] = {
+    "float32": (torch.float32, None, None, None),
+    "float32 + bf16 KV": (torch.float32, None, torch.bfloat16, None),
+    "bfloat16": (torch.bfloat16, None, None, None),
+    "int8 (bf16 activations)": (torch.bfloat16, "int8", None, None),
+    "int4 (bf16 activations)": (torch.bfloat16, "int4", None, None),
+    "int4 + 4-bit LM head": (torch.bfloat16, "int4", None, "int4"),
 }
 
 
@@ -53,8 +54,14 @@ def measure(
     tokens: int,
     max_segments: int | None,
 ) -> dict[str, Any]:
-    dtype, quantization, kv_dtype = MODES[name]
-    model, _ = cbgen.load_model("smollm2", dtype=dtype, quantization=quantization, tokenizer=False)
+    dtype, quantization, kv_dtype, head = MODES[name]
+    model, _ = cbgen.load_model(
+        "smollm2",
+        dtype=dtype,
+        quantization=quantization,
+        lm_head_quantization=head,
+        tokenizer=False,
+    )
     config = EngineConfig(kv_cache_dtype=kv_dtype)
     started = time.perf_counter()
     ppl = perplexity(model, text_ids, 256, config, max_segments=max_segments)

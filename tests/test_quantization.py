@@ -218,3 +218,29 @@ def test_quantized_model_through_the_online_engine_and_the_server(mode):
             assert reply.usage.completion_tokens == 5 and reply.choices[0].text
     finally:
         engine.close()
+
+
+@needs_kernel
+def test_a_4bit_lm_head_is_an_option():
+    """``lm_head="int4"``: the head's codes are 4-bit too, and the fast decoder serves it
+    as closely as the int8 head (its quality cost on SmolLM2 is in bench/quality.py)."""
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    quantize_model(model, "int4", lm_head="int4")
+    assert model.lm_head.mode == "int4" and model.model.layers[0].mlp.down_proj.mode == "int4"
+    errors = fast_path_errors(model, random_prompts(4, 3, 20, seed=4), max_new_tokens=5)
+    assert errors and max(errors) < 0.05, errors
+    with pytest.raises(ValueError, match="lm_head must be one of"):
+        quantize_model(make_tiny_model("llama"), "int4", lm_head="int2")
+
+
+def test_load_model_takes_the_lm_head_option_with_quantization_only():
+    import cbgen
+
+    model, _ = cbgen.load_model(
+        "smollm2", quantization="int8", lm_head_quantization="int4", tokenizer=False
+    )
+    assert model.lm_head.mode == "int4" and model.model.layers[0].self_attn.q_proj.mode == "int8"
+    with pytest.raises(ValueError, match="lm_head_quantization needs quantization"):
+        cbgen.load_model("smollm2", lm_head_quantization="int4")
+    with pytest.raises(ValueError, match="lm_head_quantization must be one of"):
+        cbgen.load_model("smollm2", quantization="int4", lm_head_quantization="fp4")

@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cbgen and transformers run the model with weight-only int8 or 4-bit linear maps "
         "(activations in --dtype); llama.cpp runs the bundled Q4_1 file as it is",
     )
+    w.add_argument(
+        "--lm-head-quantization",
+        choices=["int8", "int4"],
+        help="the LM head's codes under --quantization (default int8)",
+    )
     w.add_argument("--quick", action="store_true", help="few prompts, few tokens, 1 repeat")
     w.add_argument("--repeats", type=int, help=f"timed runs per system (default {DEFAULT_REPEATS})")
     w.add_argument("--num-prompts", type=int, help="override every workload's prompt count")

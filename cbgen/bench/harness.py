@@ -66,6 +66,8 @@ class Bench:
         if args.tensor_parallel_size != 1:
             self.engine_config.update(parallel_settings(args))
         self.engine_config.update(parse_engine_options(args.engine_option))
+        if args.lm_head_quantization and not args.quantization:
+            raise SystemExit("cbgen bench: --lm-head-quantization needs --quantization")
         try:
             EngineConfig(**self.engine_config)  # validate early
             self.speculative = speculative_settings(args)
@@ -88,6 +90,7 @@ class Bench:
             "model_gguf": bundled_gguf(self.args.model),
             "dtype": self.args.dtype,
             "quantization": self.args.quantization,
+            "lm_head_quantization": self.args.lm_head_quantization,
             "threads": self.threads,
             "cpus": self.cpus,
             "repeats": self.repeats,
@@ -161,7 +164,8 @@ class Bench:
         print(f"cbgen bench: results go to {self.out}")
         print(
             f"cbgen bench: {self.threads} threads pinned to cores {self.cpus}, {args.dtype}"
-            f"{' + ' + args.quantization if args.quantization else ''}, "
+            f"{' + ' + args.quantization if args.quantization else ''}"
+            f"{' (LM head ' + args.lm_head_quantization + ')' if args.lm_head_quantization else ''}, "
             f"{self.repeats} repeat(s), isolation {args.isolation}"
         )
         tokenizer = load_tokenizer(args.model)
@@ -227,6 +231,7 @@ class Bench:
             "model": self.args.model,
             "dtype": self.args.dtype,
             "quantization": self.args.quantization,
+            "lm_head_quantization": self.args.lm_head_quantization,
             "repeats": self.repeats,
             "quick": self.quick,
             "isolation": isolation,

@@ -64,6 +64,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         dtype=dtype,
         tokenizer=False,
         quantization=spec.get("quantization"),
+        lm_head_quantization=spec.get("lm_head_quantization"),
     )
     result["load_s"] = time.perf_counter() - started
     result["rss_after_load_kib"] = proc_status_kib("VmRSS")

@@ -43,10 +43,11 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPE = torch.bfloat16
 
 
-def validate_mode(mode: str | None) -> str | None:
-    """``mode`` if it is None or one of ``QUANTIZATION_MODES``; else a ValueError naming them."""
+def validate_mode(mode: str | None, name: str = "quantization") -> str | None:
+    """``mode`` if it is None or one of ``QUANTIZATION_MODES``; else a ValueError naming
+    them (and ``name``, the setting)."""
     if mode is not None and mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
+        raise ValueError(f"{name} must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
     return mode
 
 
@@ -273,19 +274,25 @@ def _int4_shape_ok(linear: nn.Linear, group_size: int) -> bool:
     return linear.in_features % group_size == 0 and linear.out_features % 16 == 0
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> int:
+def quantize_model(
+    model: nn.Module, mode: str, group_size: int = 32, lm_head: str | None = None
+) -> int:
     """Replace every CPU ``nn.Linear`` of ``model`` by a ``QuantizedLinear`` in ``mode``;
     return how many were replaced.
 
-    The LM head (``get_output_embeddings()``) is int8 in both modes: 4-bit logits cost
-    the most quality for the fewest bytes (greedy agreement with float32 over 32 tokens
-    of 64 short prompts went from 7 to 23 tokens on average), which is why
-    GGUF's Q4 files keep their output matrix at 8 bits or more. A tied LM head is
-    quantized as its own copy; the embedding keeps the full-precision matrix.
+    The LM head (``get_output_embeddings()``) is int8 in both modes unless ``lm_head``
+    says otherwise: 4-bit logits cost the most quality for the fewest bytes (greedy
+    agreement with float32 over 32 tokens of 64 short prompts went from 7 to 23 tokens on
+    average), which is why GGUF's Q4 files keep their output matrix at 8 bits or more.
+    ``lm_head="int4"`` is the option for a single stream bound by the head's bytes (the
+    int8 head of SmolLM2 is a third of an int4 decode step); its quality cost is in the
+    README's quality table. A tied LM head is quantized as its own copy; the embedding
+    keeps the full-precision matrix.
     A map whose shape the 4-bit kernel cannot take (input columns not in whole groups,
     outputs not in blocks of 16) stays as it is, and is logged.
     """
     validate_mode(mode)
+    head_mode = validate_mode(lm_head, "lm_head") or "int8"
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     head = _output_embeddings(model)
@@ -298,7 +305,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> int:
             if not plain_linear(child):
                 continue
             full = f"{parent_name}.{name}" if parent_name else name
-            child_mode = "int8" if child is head else mode
+            child_mode = head_mode if child is head else mode
             if child_mode == "int4" and not _int4_shape_ok(child, group_size):
                 skipped.append(full)
                 continue

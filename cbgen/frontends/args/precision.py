@@ -22,11 +22,22 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["int8", "int4"],
         help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
     )
+    parser.add_argument(
+        "--lm-head-quantization",
+        choices=["int8", "int4"],
+        help="the LM head's codes under --quantization (default int8; int4 is faster for "
+        "a single stream and costs quality: see the README's quality table)",
+    )
 
 
 def load_model_for(args: argparse.Namespace) -> tuple[Any, Any]:
     """``load_model(args.model, ...)`` with the precision flags."""
-    return load_worker_model(args.model, dtype=args.dtype, quantization=args.quantization)
+    return load_worker_model(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        lm_head_quantization=args.lm_head_quantization,
+    )
 
 
 def load_worker_model(
@@ -35,6 +46,7 @@ def load_worker_model(
     threads: int | None = None,
     dtype: str | None = None,
     quantization: str | None = None,
+    lm_head_quantization: str | None = None,
     device: str = "cpu",
 ) -> tuple[Any, Any]:
     """``load_model`` for a process that runs one engine (a Ray actor or replica, a job):
@@ -51,5 +63,6 @@ def load_worker_model(
         model,
         dtype=getattr(torch, dtype) if dtype else None,
         quantization=quantization,
+        lm_head_quantization=lm_head_quantization,
         device=device,
     )
