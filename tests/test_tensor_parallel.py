@@ -83,6 +83,15 @@ def test_a_model_without_a_tp_plan_is_refused_by_name():
         EngineCore(make_tiny_model("gpt2"), EngineConfig(tensor_parallel_size=2, num_blocks=8))
 
 
+def test_a_quantized_model_is_refused_with_its_reason():
+    from cbgen.executor.cpu.quantization import quantize_model
+
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    quantize_model(model, "int4")
+    with pytest.raises(ValueError, match="its maps are not all nn.Linear"):
+        plan_shards(model, 2)
+
+
 def test_moe_experts_split_their_intermediate_width():
     plan = plan_shards(_moe_model("mixtral"), 2)
     assert sorted(b.kind for b in plan.blocks) == ["attention"] * 2 + ["experts"] * 2
