@@ -264,6 +264,21 @@ def test_what_tensor_parallelism_refuses():
 # -- placement ---------------------------------------------------------------------------
 
 
+def test_as_many_ranks_as_numa_nodes_get_a_node_each(tmp_path, monkeypatch):
+    from cbgen.executor.parallel import placement
+
+    usable = placement.usable_cpus()
+    halves = [usable[: max(1, len(usable) // 2)], usable[max(1, len(usable) // 2) :] or usable]
+    for index, cpus in enumerate(halves):
+        (tmp_path / f"node{index}").mkdir()
+        (tmp_path / f"node{index}" / "cpulist").write_text(",".join(map(str, cpus)) + "\n")
+    monkeypatch.setattr(placement, "NODES", tmp_path)
+    assert placement.numa_nodes() == halves
+    assert placement.rank_cpus(2) == halves  # a node each
+    assert placement.rank_cpus(2, threads_per_rank=1) == [[usable[0]], [usable[1 % len(usable)]]]
+    assert len(placement.rank_cpus(3)) == 3  # not the node count: equal runs
+
+
 def test_cpulists_and_rank_cores():
     assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     cores = rank_cpus(2, threads_per_rank=1)

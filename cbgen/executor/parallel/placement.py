@@ -19,8 +19,9 @@ def usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def numa_nodes(root: Path = NODES) -> list[list[int]]:
+def numa_nodes(root: Path | None = None) -> list[list[int]]:
     """Each NUMA node's cores (one list per node; one node on a machine without any)."""
+    root = root if root is not None else NODES
     nodes = []
     for path in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
         try:
