@@ -32,6 +32,7 @@ from ...cache.groups import CacheGroup, LayerSpec
 from ...cache.state import StateSpec
 from ...requests.scheduler_output import BlockMove, SchedulerOutput
 from ...sampling.sampler import SamplerOutput
+from ..base import model_device
 from ..batch import StepBatch
 from ..lora_slots import LoraSlots
 from ..model_executor import ModelExecutor
@@ -100,7 +101,7 @@ class TensorParallelExecutor(ModelExecutor):
         cpus = rank_cpus(world, threads_per_rank)
         store = RankGroup.listen(world, timeout_s)
         context = mp.get_context("spawn")
-        device = next(model.parameters()).device
+        device = model_device(model)
         capacity = _shm_capacity(model)
         shm_path = (
             create_file(world, capacity) if device.type == "cpu" and shm_supported() else None

@@ -177,9 +177,8 @@ def _attention_block(
         raise _KeepWhole(f"{heads} query heads are not groups of {kv_heads} K/V heads")
     # Per-head weights (Qwen3's q/k RMSNorms) are the same on every rank; anything sized by
     # the heads themselves (attention sinks, a norm over all heads) would need a split.
-    own = set(column) | {row}
-    for name, param in module.named_parameters():
-        if name.split(".")[0] not in own and param.numel() != head_dim:
+    for name, param in _other_parameters(module, (*column, row)):
+        if param.numel() != head_dim:
             raise _KeepWhole(f"its parameter {name} {tuple(param.shape)} is not per head")
     return ShardedBlock(ATTENTION, path, column, row, heads, kv_heads, head_dim)
 
@@ -195,11 +194,14 @@ def _mlp_block(
         raise _KeepWhole("the column-wise maps' widths differ from the row-wise map's input")
     if width % world:
         raise _KeepWhole(f"an intermediate width of {width} does not split over {world} ranks")
-    own = set(column) | {row}
-    for name, _ in module.named_parameters():
-        if name.split(".")[0] not in own:
-            raise _KeepWhole(f"it has another parameter, {name}")
+    for name, _ in _other_parameters(module, (*column, row)):
+        raise _KeepWhole(f"it has another parameter, {name}")
     return ShardedBlock(MLP, path, column, row)
+
+
+def _other_parameters(module: Any, maps: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+    """The block's parameters outside its split maps."""
+    return [(n, p) for n, p in module.named_parameters() if n.split(".")[0] not in maps]
 
 
 def _experts_block(module: Any, path: str, row: str, world: int) -> ShardedBlock:

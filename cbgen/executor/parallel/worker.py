@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from ..base import model_device
 from ..model_executor import ModelExecutor
 from .group import RankGroup
 from .sharding import ShardPlan, shard_model
@@ -59,7 +60,7 @@ def worker_main(conn: Connection, model: torch.nn.Module, spec: WorkerSpec) -> N
     try:
         _place(spec.cpus)
         conn.send(("loaded", os.getpid()))
-        device = next(model.parameters()).device
+        device = model_device(model)
         if device.type == "cuda":
             device = torch.device("cuda", spec.rank)
             torch.cuda.set_device(device)

@@ -100,18 +100,16 @@ class EngineLoop:
                 if not closing and self.active and not self.core.is_paused:
                     self._step()
                 self.publish_snapshot()
-        except CoreFailed as exc:  # the core can run no more steps: end, and say why
+        except BaseException as exc:  # the core failed for good, or a bug in this layer:
+            if isinstance(exc, CoreFailed):  # fail everything, say why, stay closable
+                message = str(exc)
+            else:
+                logger.exception("cbgen online engine loop died")
+                message = f"engine loop died: {exc!r}"
             self.results.loop_error = exc
             with self.results.lock:
                 self.results.closed = True
-            self._shutdown(FinishReason.ERROR, str(exc))
-            return
-        except BaseException as exc:  # a bug in this layer: fail everything, stay closable
-            logger.exception("cbgen online engine loop died")
-            self.results.loop_error = exc
-            with self.results.lock:
-                self.results.closed = True
-            self._shutdown(FinishReason.ERROR, f"engine loop died: {exc!r}")
+            self._shutdown(FinishReason.ERROR, message)
             return
         self._shutdown(FinishReason.ABORTED, None)
 
