@@ -208,3 +208,15 @@ def test_ray_jobs_say_how_to_install_ray(tiny_chat_model_dir, tmp_path, monkeypa
     args = ["batch", "--model", str(tiny_chat_model_dir), "--input", str(tmp_path / "in.jsonl")]
     assert main([*args, "--output", str(tmp_path / "out.jsonl"), "--ray", "--no-progress"]) == 2
     assert "cbgen[ray]" in capsys.readouterr().err
+
+
+def test_the_generator_takes_the_lm_head_option(tiny_chat_model_dir):
+    """``cbgen batch --lm-head-quantization`` reaches the model the job's engine runs."""
+    with Generator(
+        str(tiny_chat_model_dir),
+        max_new_tokens=2,
+        threads=1,
+        quantization="int4",
+        lm_head_quantization="int4",
+    ) as generator:
+        assert generator.engine.core.model.lm_head.mode == "int4"

@@ -41,6 +41,7 @@ class CbgenReplica:
         threads: int | None = None,
         dtype: str | None = None,
         quantization: str | None = None,
+        lm_head_quantization: str | None = None,
         device: str = "cpu",
         config: EngineConfig | None = None,
         api_key: str | None = None,
@@ -55,7 +56,12 @@ class CbgenReplica:
         from .server.app import create_app
 
         loaded, tokenizer = load_worker_model(
-            model, threads=threads, dtype=dtype, quantization=quantization, device=device
+            model,
+            threads=threads,
+            dtype=dtype,
+            quantization=quantization,
+            lm_head_quantization=lm_head_quantization,
+            device=device,
         )
         if chat_template is not None:
             tokenizer.chat_template = chat_template

@@ -75,6 +75,7 @@ def batch_command(args: argparse.Namespace) -> int:
             "threads": args.threads,
             "dtype": args.dtype,
             "quantization": args.quantization,
+            "lm_head_quantization": args.lm_head_quantization,
             "config": EngineConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_batch_tokens=args.max_batch_tokens,

@@ -47,7 +47,8 @@ class Generator:
     ``finish_reason="error"`` and the reason in ``error``; the other rows run normally.
 
     ``threads`` sets torch's thread count for the process (an actor's CPUs); ``dtype``
-    (``"bfloat16"``...), ``quantization`` and ``device`` are ``cbgen.load_model``'s.
+    (``"bfloat16"``...), ``quantization``, ``lm_head_quantization`` and ``device`` are
+    ``cbgen.load_model``'s.
     ``lora_modules`` (name -> PEFT adapter folder) are loaded at once; a row's ``lora``
     names the one it runs under (an unknown name fails that row only).
     """
@@ -63,6 +64,7 @@ class Generator:
         threads: int | None = None,
         dtype: str | None = None,
         quantization: str | None = None,
+        lm_head_quantization: str | None = None,
         device: str = "cpu",
         config: EngineConfig | None = None,
         lora_modules: Mapping[str, str] | None = None,
@@ -79,7 +81,12 @@ class Generator:
             }
         )
         loaded, self.tokenizer = load_worker_model(
-            model, threads=threads, dtype=dtype, quantization=quantization, device=device
+            model,
+            threads=threads,
+            dtype=dtype,
+            quantization=quantization,
+            lm_head_quantization=lm_head_quantization,
+            device=device,
         )
         self.engine = Engine(loaded, self.tokenizer, config, max_retained_results=RETAINED_RESULTS)
         try:
