@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import proc_status_kib, read_spec, run_workloads, write_result  # noqa: E402
 
-FTYPES = {"f32": 0, "f16": 1, "bf16": 32}  # LLAMA_FTYPE_ALL_F32, _MOSTLY_F16, _MOSTLY_BF16
+# LLAMA_FTYPE_ALL_F32, _MOSTLY_F16, _MOSTLY_Q4_0, _MOSTLY_Q4_1, _MOSTLY_BF16
+FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "bf16": 32}
 GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # KV cache element types
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 
@@ -56,12 +57,14 @@ def quiet_logs(llama_cpp) -> None:
 def peer_ftype(spec: dict) -> str:
     """llama.cpp's weights for this run: the run's dtype, or with ``--quantization`` the
     bundled file itself ("source": SmolLM2's Q4_1 blocks, what llama.cpp's 4-bit single
-    stream is measured on); ``CBGEN_BENCH_LLAMACPP_FTYPE`` overrides either."""
+    stream is measured on), or for a model shape (``shape:<name>``, whose GGUF is bf16) the
+    4-bit type the harness names (``gguf_quantize``: Q4_0);
+    ``CBGEN_BENCH_LLAMACPP_FTYPE`` overrides either."""
     override = os.environ.get("CBGEN_BENCH_LLAMACPP_FTYPE")
     if override:
         return override
     if spec.get("quantization"):
-        return "source"
+        return spec.get("gguf_quantize") or "source"
     return "bf16" if spec.get("dtype") == "bfloat16" else "f32"
 
 
@@ -238,11 +241,11 @@ def main() -> int:
         raise SystemExit("llamacpp peer: no GGUF for this model (the bundled smollm2 has one)")
     ftype = peer_ftype(spec)
     quiet_logs(llama_cpp)
-    started = time.perf_counter()
     if ftype == "source":  # a quantized cbgen run: llama.cpp on the file's own 4-bit blocks
         model_path = Path(source)
-    else:
+    else:  # made once and kept, so not part of the load time
         model_path = convert_gguf(llama_cpp, Path(source), Path(spec["peer_cache"]), ftype, threads)
+    started = time.perf_counter()
     runner = BatchedGreedy(llama_cpp, np, model_path, spec)
     result = {
         "kind": "peer",

@@ -11,6 +11,7 @@ from ..core.config import EngineConfig
 from ..frontends.args.parallel import add_parallel_arguments
 from ..frontends.args.speculative import add_speculative_arguments
 from .peers import PEERS
+from .shapes import SHAPES
 from .systems import SYSTEMS
 
 DEFAULT_REPEATS = 3
@@ -36,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help=f"comma-separated, from {','.join(PEERS)}: each needs its venv (bench/peers/)",
     )
-    w.add_argument("--model", default="smollm2", help="bundled name, HF folder or .gguf file")
+    w.add_argument(
+        "--model",
+        default="smollm2",
+        help="bundled name, HF folder, .gguf file, or a random-weight model of a real "
+        f"model's shape ({', '.join('shape:' + s for s in SHAPES)}; built once)",
+    )
     w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     w.add_argument(
         "--quantization",

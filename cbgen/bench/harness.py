@@ -22,6 +22,7 @@ from . import metrics
 from .args import DEFAULT_REPEATS, add_arguments, parse_cpus, parse_engine_options, split_list
 from .machine import choose_cpus, process_env, versions
 from .peers import PEERS, bundled_gguf
+from .shapes import is_shape, shape_folder, shape_gguf, shape_info
 from .supervisor import ProcessOutcome, run_process, tail
 from .systems import SYSTEMS
 from .workloads import Workload, bench_dir, build_workload, load_tokenizer, resolve_model
@@ -74,6 +75,19 @@ class Bench:
         except (TypeError, ValueError) as exc:
             raise SystemExit(f"cbgen bench: bad engine settings: {exc}") from None
         self.notes: list[str] = []
+        self.shape: dict[str, Any] | None = None
+        self.model_gguf = bundled_gguf(args.model)
+        if is_shape(args.model):
+            print(f"cbgen bench: the {args.model} model (built once, random weights) ...")
+            try:
+                folder = shape_folder(args.model)
+            except ValueError as exc:
+                raise SystemExit(f"cbgen bench: {exc}") from None
+            args.model = str(folder)
+        self.shape = shape_info(resolve_model(args.model)[0])
+        if self.shape is not None and "llamacpp" in split_list(args.peers):
+            print("cbgen bench: the same weights as a GGUF for llama.cpp (written once) ...")
+            self.model_gguf = str(shape_gguf(resolve_model(args.model)[0]))
 
     # processes
 
@@ -87,7 +101,9 @@ class Bench:
             "system": system,
             "model": self.args.model,
             "model_folder": str(folder),
-            "model_gguf": bundled_gguf(self.args.model),
+            "model_gguf": self.model_gguf,
+            # a shape's GGUF is bf16: llama.cpp's 4-bit runs quantize it to Q4_0 once
+            "gguf_quantize": "q4_0" if self.shape is not None else None,
             "dtype": self.args.dtype,
             "quantization": self.args.quantization,
             "lm_head_quantization": self.args.lm_head_quantization,
@@ -229,6 +245,7 @@ class Bench:
             "cpus": self.cpus,
             "threads": self.threads,
             "model": self.args.model,
+            "shape": self.shape,
             "dtype": self.args.dtype,
             "quantization": self.args.quantization,
             "lm_head_quantization": self.args.lm_head_quantization,
