@@ -114,3 +114,93 @@ def test_the_bench_gives_llamacpp_the_shapes_gguf_to_quantize(tmp_path, monkeypa
     with pytest.raises(SystemExit, match="unknown model shape"):
         Bench(_bench_args("shape:nothing"))
     assert json.loads((folder / shapes.MARKER).read_text())["like"] == "nobody/tiny"
+
+
+# -- the model-size sweep's parts -----------------------------------------------------------
+
+
+def test_each_points_command_is_a_valid_bench_command(tmp_path):
+    from cbgen.bench import sizes
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for mode, peer in (("bf16", "vllm"), ("int4", "llamacpp")):
+        for prompts in (1, 64, 256):
+            command = sizes.bench_command("shape:llama3.2-1b", mode, prompts, 2, tmp_path)
+            assert command[0] == "bench"
+            args = parser.parse_args(command[1:])
+            assert args.peers == peer and args.systems == "cbgen" and args.repeats == 2
+            assert args.num_prompts == prompts and args.dtype == "bfloat16"
+            assert args.quantization == ("int4" if mode == "int4" else None)
+            assert args.workloads == (["short64"] if prompts <= 64 else ["many-short"])
+            assert args.max_new_tokens in (None, 128)
+    with pytest.raises(ValueError, match="unknown mode"):
+        sizes.bench_command("smollm2", "int3", 1, 1, tmp_path)
+
+
+def test_parameters_are_counted_from_the_safetensors_headers(tmp_path):
+    from cbgen.bench.sizes import count_parameters
+
+    shape = ModelShape("tiny-llama", "llama", TINY, "nobody/tiny")
+    folder = shape_folder(shape, root=tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    assert count_parameters(folder) == sum(unique.values()) == shape_info(folder)["parameters"]
+
+
+def _fake_point(root, model, parameters, mode, prompts, ours, theirs, peer="vllm"):
+    from cbgen.bench import sizes
+
+    out = root / sizes.point_name(model, mode, prompts)
+    sizes.write_point(out, model, parameters, mode, prompts)
+
+    def entry(tok_s, rss, load, ratio):
+        median = {"output_tok_s": tok_s}
+        return {
+            "median": median,
+            "repeats": [median] * 3,
+            "peak_rss_mib": rss,
+            "load_s": load,
+            "cbgen_ratio": ratio,
+        }
+
+    systems = {"cbgen": entry(ours, 1000.0, 1.0, None)}
+    systems[peer] = (
+        {"error": "exit code 1\nlog ..."}
+        if theirs is None
+        else entry(theirs, 3000.0, 9.0, ours / theirs)
+    )
+    results = {"workloads": {"short64": {"systems": systems}}}
+    (out / "results.json").write_text(json.dumps(results))
+    return out
+
+
+def test_sizes_gather_points_into_a_table_and_a_plot(tmp_path):
+    from cbgen.bench import sizes
+
+    _fake_point(tmp_path, "smollm2", 134_515_008, "bf16", 64, 900.0, 800.0)
+    _fake_point(tmp_path, "shape:llama3.2-1b", 1_235_814_400, "bf16", 64, 120.0, 100.0)
+    _fake_point(tmp_path, "shape:llama3.2-1b", 1_235_814_400, "int4", 1, 30.0, None, "llamacpp")
+    unfinished = tmp_path / "qwen2.5-3b-bf16-1"  # a point that was stopped: no results.json
+    sizes.write_point(unfinished, "shape:qwen2.5-3b", 3_085_938_688, "bf16", 1)
+
+    rows = sizes.collect(tmp_path)
+    assert [(r.model, r.system) for r in rows] == [
+        ("smollm2", "cbgen"),
+        ("smollm2", "vllm"),
+        ("shape:llama3.2-1b", "cbgen"),
+        ("shape:llama3.2-1b", "vllm"),
+        ("shape:llama3.2-1b", "cbgen"),
+        ("shape:llama3.2-1b", "llamacpp"),
+    ]
+    table = sizes.markdown(rows).splitlines()
+    assert len(table) == 2 + 3
+    assert (
+        "| smollm2 | 0.13 B | bf16 | 64 | 900.0 | vllm | 800.0 | 1.12x | 1,000 / 3,000" in table[2]
+    )
+    assert "| 1.24 B | bf16 | 64 | 120.0 | vllm | 100.0 | 1.20x |" in table[3]
+    assert "| llamacpp | failed | – |" in table[4]
+    png = tmp_path / "plot.png"
+    assert sizes.plot(rows, png) is None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sizes.plot([], png) == "no results to plot"
