@@ -97,7 +97,21 @@ def load_model(
             raise ValueError(f"quantization={quantization!r} runs CPU kernels; device is {device}")
         replaced = quantize_model(model, quantization, lm_head=lm_head_quantization)
         logger.info("cbgen: %d linear maps quantized to %s", replaced, quantization)
+        _release_file_mappings(model)
     return model, tok
+
+
+def _release_file_mappings(model: torch.nn.Module) -> None:
+    """Copy the tensors quantization left (embeddings, norms) out of the safetensors file.
+
+    ``from_pretrained`` hands out tensors that are views of the memory-mapped file when
+    the dtype matches; one such tensor left alive keeps the whole mapping, and every page
+    quantization read stays in the process's resident set: a Llama-3.2-1B-shaped int4
+    model held 4.1 GB after loading, 2.5 GB of it the file, and 2.2 GB after this copy.
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
 
 
 def _load(name_or_path: str, dtype: torch.dtype, device: str | torch.device, tokenizer: bool):
