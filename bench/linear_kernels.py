@@ -1,9 +1,9 @@
 """Time every kind of linear map cbgen can run on all of a model's layer maps, per step.
 
-``python bench/linear_kernels.py --rows 1,64,256 --threads 2``
+``python bench/linear_kernels.py --rows 1,64,256 --threads 2 [--model shape:llama3.2-1b]``
 
 For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
-weight-only int8 and 4-bit) it builds the bundled model's layer maps with q/k/v and
+weight-only int8 and 4-bit, 4-bit with int8 activations (``w4a8``)) it builds the model's layer maps with q/k/v and
 gate/up fused as the fast decoder runs them, one set of distinct weights per layer
 (so one row reads its weights from memory, as a real decode step does, instead of
 from a cache a repeated small matrix would stay in), plus the LM head, and reports
@@ -22,17 +22,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoConfig
 
-import cbgen
+from cbgen.bench.shapes import is_shape, shape_folder
+from cbgen.bench.workloads import resolve_model
 from cbgen.executor.cpu.prepack import PackedMap
 from cbgen.executor.cpu.quantization import QuantizedLinear
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
-def layer_shapes(model: nn.Module) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
+def layer_shapes(config: object) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
     """(layers, the fused per-layer shapes [out, in], the LM head's shape)."""
-    config = model.config
     hidden, inter = config.hidden_size, config.intermediate_size
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = hidden // heads
@@ -63,8 +64,8 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
     return linear_map, sum(t.numel() * t.element_size() for t in tensors), torch.bfloat16
 
 
-def measure(kind: str, model: nn.Module, rows: int, repeats: int) -> dict[str, float]:
-    layers, shapes, head = layer_shapes(model)
+def measure(kind: str, config: object, rows: int, repeats: int) -> dict[str, float]:
+    layers, shapes, head = layer_shapes(config)
     generator = torch.Generator().manual_seed(0)
     kernels: list[tuple[Kernel, torch.Tensor]] = []
     total_bytes = 0
@@ -90,16 +91,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument(
-        "--kinds", default="fp32,fp32-packed,bf16,bf16-packed,int8,int4", help="comma-separated"
+        "--kinds",
+        default="fp32,fp32-packed,bf16,bf16-packed,int8,int4,w4a8",
+        help="comma-separated",
     )
+    parser.add_argument("--model", default="smollm2", help="bundled name, folder or shape:NAME")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, _ = cbgen.load_model("smollm2", tokenizer=False)
+    folder = shape_folder(args.model) if is_shape(args.model) else resolve_model(args.model)[0]
+    config = AutoConfig.from_pretrained(folder)
     print("| kind | rows | ms per step (all maps + LM head) | MB read | GB/s | tok/s ceiling |")
     print("|---|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         for kind in args.kinds.split(","):
-            r = measure(kind, model, rows, args.repeats)
+            r = measure(kind, config, rows, args.repeats)
             print(
                 f"| {kind} | {rows} | {r['ms']:.1f} | {r['mb']:.0f} | {r['gbs']:.1f} | "
                 f"{rows / r['ms'] * 1e3:.0f} |",

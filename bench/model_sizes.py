@@ -12,7 +12,8 @@ At the end (and with ``--report-only``) the points are gathered into ``OUT/sizes
 
 On 2 cores the sweep is long: a 3B model at 256 prompts is about 10 minutes per system
 per repeat. ``--repeats`` sets the repeats of every point; ``--max-repeats-at N=R`` holds
-the points of N prompts or more to R repeats.
+the points of N prompts or more to R repeats; ``--no-warmup`` skips each point's untimed
+warm-up run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def main() -> int:
         metavar="N=R",
         help="at N prompts or more, at most R repeats (repeatable)",
     )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed warm-up run of each point (long points: the warm-up doubles them)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "model-sizes")
     parser.add_argument("--report-only", action="store_true", help="gather, do not run")
     args = parser.parse_args()
@@ -70,6 +76,7 @@ def main() -> int:
                             repeats = min(repeats, cap)
                     sizes.write_point(out, model, count, mode, prompts)
                     command = sizes.bench_command(model, mode, prompts, repeats, out)
+                    command += ["--no-warmup"] if args.no_warmup else []
                     print(f"model_sizes: {out.name}: python -m cbgen {' '.join(command)}")
                     code = subprocess.call([sys.executable, "-m", "cbgen", *command])
                     failed += code != 0

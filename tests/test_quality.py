@@ -53,6 +53,7 @@ BOUNDS = {
     "int8": (0.02, 4),
     "int4": (0.02, 6),
     "int4 + 4-bit LM head": (0.10, 2),
+    "w4a8": (0.06, 4),
 }
 
 
@@ -86,6 +87,8 @@ def test_each_mode_stays_within_its_bound_of_float32(mode, quality_inputs):
         config = EngineConfig(kv_cache_dtype=torch.bfloat16)
     elif mode == "bfloat16":
         model, _ = cbgen.load_model("smollm2", dtype=torch.bfloat16, tokenizer=False)
+    elif mode == "w4a8":
+        model, _ = cbgen.load_model("smollm2", quantization="w4a8", tokenizer=False)
     elif mode == "int4 + 4-bit LM head":
         model, _ = cbgen.load_model(
             "smollm2", quantization="int4", lm_head_quantization="int4", tokenizer=False

@@ -6,7 +6,8 @@ own output folder, skipped when that folder already holds results, so a long swe
 be resumed) and then calls :func:`collect`, :func:`markdown` and :func:`plot` here.
 
 Modes: ``bf16`` runs cbgen and vLLM on bfloat16 weights; ``int4`` runs cbgen's 4-bit
-weights (bf16 activations) against llama.cpp's Q4 file of the same model.
+weights (bf16 activations) and ``w4a8`` its 4-bit weights with int8 activations, each
+against llama.cpp's Q4 file of the same model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 MODES = {
     "bf16": {"args": ["--dtype", "bfloat16"], "peer": "vllm"},
     "int4": {"args": ["--dtype", "bfloat16", "--quantization", "int4"], "peer": "llamacpp"},
+    "w4a8": {"args": ["--dtype", "bfloat16", "--quantization", "w4a8"], "peer": "llamacpp"},
 }
 
 

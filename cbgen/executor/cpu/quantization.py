@@ -1,4 +1,5 @@
-"""Weight-only int8 and 4-bit linear maps on CPU, through torch's own quantized-matmul kernels.
+"""int8 and 4-bit linear maps on CPU: weight-only through torch's quantized-matmul kernels,
+and 4-bit weights with int8 activations through cbgen's own VNNI kernel.
 
 A single request reads every weight once per token, so its speed is bytes of weights
 over memory bandwidth: 540 MB a token for SmolLM2 in float32, 270 MB in bfloat16,
@@ -20,10 +21,11 @@ Activations enter both kernels in bfloat16 (the kernels' float32 paths are 30-10
 slower) and leave in the caller's dtype. Measured on the 2-core machine at one row,
 all of SmolLM2's layer maps with distinct weights: see ``bench/linear_kernels.py``.
 
-Dynamic int8 activations (VNNI ``vpdpbusd``) would halve the arithmetic of large
-batches, but torch's CPU path for it (``torch.ops.onednn.qlinear_pointwise``) wants
-a quantization flow of its own; weight-only maps serve what quantization is for
-here, single streams and memory.
+* ``"w4a8"``: ``"int4"``'s codes, with each row's activations quantized to int8 per
+  group of 32 (dynamic, one scale a group) and multiplied by ``vpdpbusd``
+  (AVX512-VNNI) in ``kernels/int4_matmul.cpp``: llama.cpp's Q4 arithmetic. Faster
+  than ``"int4"`` at every row count measured, for a small quality cost (the
+  quality table in ``docs/precision-and-speed.md``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from .prepack import LinearMap, plain_linear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("int8", "int4")
+QUANTIZATION_MODES = ("int8", "int4", "w4a8")
+# The modes whose codes are 4-bit (Q4_1's layout); w4a8 also quantizes activations.
+FOUR_BIT_MODES = ("int4", "w4a8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -134,7 +138,7 @@ class QuantizedLinear(nn.Module):
         if mode == "int8":
             codes, scales = quantize_int8(linear.weight)
             return cls(linear.in_features, linear.out_features, mode, codes, scales, None, bias)
-        if mode == "int4":
+        if mode in FOUR_BIT_MODES:
             codes, scales, minima = quantize_int4(linear.weight, group_size)
             return cls(
                 linear.in_features,
@@ -149,7 +153,7 @@ class QuantizedLinear(nn.Module):
         raise ValueError(f"unknown quantization mode {mode!r}")
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        group = f", group_size={self.group_size}" if self.mode in FOUR_BIT_MODES else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"mode={self.mode}{group}, bias={self.bias is not None}"
@@ -197,6 +201,7 @@ class QuantizedLinear(nn.Module):
             torch.cat([m.minima for m in modules]),
             first.group_size,
             bias,
+            int8_activations=first.mode == "w4a8",
         )
 
 
@@ -246,9 +251,20 @@ class Int8Map(_QuantizedMap):
 
 
 class Int4Map(_QuantizedMap):
-    """``torch._weight_int4pack_mm_for_cpu``: codes packed by torch for its kernel, with
-    ``[groups, out, 2]`` scales and offsets. torch's formula is ``(q - 8) * scale +
-    offset``, so the offset is ``minimum + 8 * scale``."""
+    """4-bit weights, a scale and a minimum per group of ``group_size`` input columns.
+
+    ``int4`` (bfloat16 activations): ``torch._weight_int4pack_mm_for_cpu`` on codes packed
+    by torch for it, with ``[groups, out, 2]`` scales and offsets (torch's formula is
+    ``(q - 8) * scale + offset``, so the offset is ``minimum + 8 * scale``). It widens
+    every code to float, about ten vector instructions per 16 bytes of codes, so on 2
+    cores it reads weights at ~23 GB/s where llama.cpp's Q4 kernels read ~33.
+
+    ``w4a8`` (``int8_activations``): cbgen's ``int4_vnni_matmul`` quantizes each row's
+    activations to int8 per group of 32, as llama.cpp's Q4 kernels do, and
+    ``vpdpbusd`` multiplies 64 codes by 64 activations in one instruction. It needs
+    cbgen's native kernels built with AVX512-VNNI and groups of 32; without them the
+    map runs the ``int4`` kernel (logged once). Figures: ``bench/linear_kernels.py``.
+    """
 
     def __init__(
         self,
@@ -257,9 +273,16 @@ class Int4Map(_QuantizedMap):
         minima: torch.Tensor,
         group_size: int,
         bias: torch.Tensor | None,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__(int(codes.shape[0]), bias)
         self.group_size = group_size
+        self.vnni = _vnni_kernel(codes, group_size) if int8_activations else None
+        if self.vnni is not None:
+            self.packed, self.block_scales, self.block_minima = self.vnni.int4_vnni_pack(
+                codes, scales.float(), minima.float()
+            )
+            return
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         offsets = minima + 8 * scales
         self.scales_and_offsets = (
@@ -267,9 +290,32 @@ class Int4Map(_QuantizedMap):
         )
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None:
+            return self.vnni.int4_vnni_matmul(x, self.packed, self.block_scales, self.block_minima)
         return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_offsets
         )
+
+
+def _vnni_kernel(codes: torch.Tensor, group_size: int) -> Any:
+    """The native module when it has the VNNI 4-bit kernel and ``codes`` fit its layout."""
+    global _vnni_warned
+    out_features, in_features = codes.shape
+    if group_size != 32 or out_features % 16 or in_features % 32 or codes.device.type != "cpu":
+        return None
+    from .kernels import decode_kernel
+
+    kernel = decode_kernel()
+    if kernel is not None and kernel.int4_vnni_available():
+        return kernel
+    if not _vnni_warned:
+        _vnni_warned = True
+        why = "native kernels unavailable" if kernel is None else "no AVX512-VNNI"
+        logger.warning("cbgen: w4a8 runs the int4 kernel, bfloat16 activations (%s)", why)
+    return None
+
+
+_vnni_warned = False
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
@@ -291,7 +337,7 @@ def quantize_model(
     """Replace every CPU ``nn.Linear`` of ``model`` by a ``QuantizedLinear`` in ``mode``;
     return how many were replaced.
 
-    The LM head (``get_output_embeddings()``) is int8 in both modes unless ``lm_head``
+    The LM head (``get_output_embeddings()``) is int8 in every mode unless ``lm_head``
     says otherwise: 4-bit logits cost the most quality for the fewest bytes (greedy
     agreement with float32 over 32 tokens of 64 short prompts went from 7 to 23 tokens on
     average), which is why GGUF's Q4 files keep their output matrix at 8 bits or more.
@@ -304,8 +350,10 @@ def quantize_model(
     """
     validate_mode(mode)
     head_mode = validate_mode(lm_head, "lm_head") or "int8"
-    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+    if mode in FOUR_BIT_MODES and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if "w4a8" in (mode, head_mode) and group_size != 32:
+        raise ValueError(f"w4a8 quantizes activations per group of 32, got group_size {group_size}")
     head = _output_embeddings(model)
     replaced = 0
     skipped: list[str] = []
@@ -317,7 +365,7 @@ def quantize_model(
                 continue
             full = f"{parent_name}.{name}" if parent_name else name
             child_mode = head_mode if child is head else mode
-            if child_mode == "int4" and not _int4_shape_ok(child, group_size):
+            if child_mode in FOUR_BIT_MODES and not _int4_shape_ok(child, group_size):
                 skipped.append(full)
                 continue
             setattr(parent, name, QuantizedLinear.from_linear(child, child_mode, group_size))

@@ -19,12 +19,13 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=["int8", "int4"],
-        help="weight-only int8 or 4-bit linear maps (see the README for speed and quality)",
+        choices=["int8", "int4", "w4a8"],
+        help="weight-only int8 or 4-bit linear maps, or w4a8: 4-bit weights with int8 "
+        "activations on AVX512-VNNI (see the docs for speed and quality)",
     )
     parser.add_argument(
         "--lm-head-quantization",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "w4a8"],
         help="the LM head's codes under --quantization (default int8; int4 is faster for "
         "a single stream and costs quality: see the README's quality table)",
     )

@@ -28,7 +28,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--draft-quantization",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "w4a8"],
         help="draft: weight-only int8 or 4-bit draft (--draft-model defaulting to the model "
         "itself makes a quantized self-draft)",
     )

@@ -14,6 +14,11 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                     const c10::optional<at::Tensor>& value_cache,
                     const c10::optional<at::Tensor>& slots);
 at::Tensor argmax_rows(const at::Tensor& logits);
+bool int4_vnni_available();
+std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
+                                       const at::Tensor& minima);
+at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales, const at::Tensor& minima);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
@@ -28,4 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_cache") = py::none(), py::arg("value_cache") = py::none(),
         py::arg("slots") = py::none());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 [rows, vocab] (CPU)");
+  m.def("int4_vnni_available", &int4_vnni_available,
+        "whether int4_vnni_matmul was compiled with AVX512-VNNI");
+  m.def("int4_vnni_pack", &int4_vnni_pack, "4-bit codes, scales, minima to int4_vnni_matmul's layout",
+        py::arg("codes"), py::arg("scales"), py::arg("minima"));
+  m.def("int4_vnni_matmul", &int4_vnni_matmul,
+        "bfloat16 [m, k] x 4-bit weights, int8 activations per group of 32 (CPU)", py::arg("x"),
+        py::arg("packed"), py::arg("scales"), py::arg("minima"));
 }
