@@ -39,10 +39,15 @@ def _reference(module: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     rows = x.to(torch.bfloat16).float().reshape(-1, x.shape[-1])
     if getattr(module.kernel(), "vnni", None) is None:
         return F.linear(rows, dequantize(module), bias).view(*x.shape[:-1], -1)
+    # The kernel keeps scales and minima in bfloat16.
+    scales, minima = (t.to(torch.bfloat16).float() for t in (module.scales, module.minima))
+    codes = module.codes
+    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1, 32)
+    weight = (nibbles.float() * scales[..., None] + minima[..., None]).view(codes.shape[0], -1)
     quantized = _int8_groups(rows)
-    out = F.linear(quantized, dequantize(module), bias)
+    out = F.linear(quantized, weight, bias)
     lost = (rows - quantized).view(rows.shape[0], -1, 32).sum(dim=-1)  # [rows, groups]
-    out += lost @ module.minima.float().t()
+    out += lost @ minima.t()
     return out.view(*x.shape[:-1], -1)
 
 
@@ -178,12 +183,12 @@ def test_quantized_models_run_the_fast_decoder_close_to_their_module_forward(mod
 
     In bfloat16 the two paths round a few activations differently (the fused norms), and
     w4a8's int8 activations turn such a difference into a whole int8 step now and then:
-    4.4% mean and 6.2% worst here, against int4's 1.2% and 1.5%; in float32 both paths
-    agree exactly."""
+    about 5% mean and 8.3% worst here, against int4's 1.2% and 1.5%; in float32 both
+    paths agree exactly."""
     model = make_tiny_model("llama").to(dtype)
     quantize_model(model, mode)
     errors = fast_path_errors(model, random_prompts(4, 3, 20, seed=4), max_new_tokens=5)
-    bound = 0.08 if mode == "w4a8" and dtype == torch.bfloat16 else 0.05
+    bound = 0.12 if mode == "w4a8" and dtype == torch.bfloat16 else 0.05
     assert errors and max(errors) < bound, errors
 
 
@@ -310,12 +315,13 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     assert w4a8.kernel().vnni is not None
     x = torch.randn(5, 96)
     x[0] = 0.0  # a row of zeros: a zero scale, no division by it
+    x[2, 32:64] = 1e-39  # a group of denormals: its inverse scale would overflow
     x[1, :32] *= 50  # an outlier group
     with torch.inference_mode():
         got = w4a8(x.to(torch.bfloat16)).float()
         plain = int4(x.to(torch.bfloat16)).float()
     want = _reference(w4a8, x)
-    assert _relative_error(got, want) < 2**-8
+    assert _relative_error(got, want) < 2**-7  # the output's and the bias add's bf16 roundings
     assert torch.allclose(got[0], linear.bias.to(torch.bfloat16).float())
     assert _relative_error(plain, want) > _relative_error(got, want)
 

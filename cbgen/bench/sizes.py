@@ -187,17 +187,20 @@ def plot(rows: list[Row], path: Path) -> str | None:
     fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 4), squeeze=False)
     for ax, prompts in zip(axes[0], counts, strict=True):
         lines: dict[str, list[tuple[int, float]]] = {}
+        sizes: set[int] = set()
         for r in rows:
             if r.prompts == prompts and r.output_tok_s:
-                lines.setdefault(f"{r.system} ({r.mode})", []).append(
-                    (r.parameters, r.output_tok_s)
-                )
+                lines.setdefault(_label(r), []).append((r.parameters, r.output_tok_s))
+                sizes.add(r.parameters)
         for label, points in sorted(lines.items()):
             points.sort()
             style = "-o" if label.startswith("cbgen") else "--s"
             ax.plot([p / 1e9 for p, _ in points], [t for _, t in points], style, label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(sorted(p / 1e9 for p in sizes), minor=False)
+        ax.set_xticks([], minor=True)
+        ax.set_xticklabels([f"{p / 1e9:.2f}" for p in sorted(sizes)])
         ax.set_xlabel("parameters (billions)")
         ax.set_ylabel("output tok/s")
         ax.set_title(f"{prompts} prompt{'s' if prompts > 1 else ''}, 128 new tokens")
@@ -207,6 +210,16 @@ def plot(rows: list[Row], path: Path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def _label(row: Row) -> str:
+    """A line's name: cbgen's mode, or the peer and what it ran beside (llama.cpp runs
+    its own Q4 file whichever 4-bit mode cbgen ran)."""
+    if row.system == "cbgen":
+        return f"cbgen {row.mode}"
+    if row.system == "llamacpp":
+        return f"llama.cpp Q4 (beside cbgen {row.mode})"
+    return f"{row.system} {row.mode}"
 
 
 def write_point(out: Path, model: str, parameters: int, mode: str, prompts: int) -> None:

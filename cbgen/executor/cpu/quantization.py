@@ -279,7 +279,7 @@ class Int4Map(_QuantizedMap):
         self.group_size = group_size
         self.vnni = _vnni_kernel(codes, group_size) if int8_activations else None
         if self.vnni is not None:
-            self.packed, self.block_scales, self.block_minima = self.vnni.int4_vnni_pack(
+            self.packed, self.scales_minima = self.vnni.int4_vnni_pack(
                 codes, scales.float(), minima.float()
             )
             return
@@ -291,7 +291,7 @@ class Int4Map(_QuantizedMap):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni is not None:
-            return self.vnni.int4_vnni_matmul(x, self.packed, self.block_scales, self.block_minima)
+            return self.vnni.int4_vnni_matmul(x, self.packed, self.scales_minima)
         return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_offsets
         )

@@ -18,7 +18,7 @@ bool int4_vnni_available();
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima);
 at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& scales, const at::Tensor& minima);
+                            const at::Tensor& scales_minima);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
@@ -39,5 +39,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("scales"), py::arg("minima"));
   m.def("int4_vnni_matmul", &int4_vnni_matmul,
         "bfloat16 [m, k] x 4-bit weights, int8 activations per group of 32 (CPU)", py::arg("x"),
-        py::arg("packed"), py::arg("scales"), py::arg("minima"));
+        py::arg("packed"), py::arg("scales_minima"));
 }

@@ -13,15 +13,19 @@
 // 512-bit register belongs to one output row. For block b, group g and quad pair p
 // (0..3), 64 bytes hold, for row r of the block, bytes 4r..4r+3: code k = 4p + i in the
 // low nibble of byte i and code k = 16 + 4p + i in its high nibble (k counted within
-// the group). Scales and minima are float32 [blocks, groups, 16].
+// the group). Each group's 16 scales and then 16 minima are bfloat16, 64 bytes
+// [blocks, groups, 32]: with the codes that is 0.625 bytes a weight (float32 scales
+// made it 0.75; llama.cpp's Q4_0 is 0.5625).
 //
 //   y[m, n] = sum_g scale[n, g] * dx[m, g] * sum_k code[n, g, k] * xq[m, g, k]
 //           + minimum[n, g] * sum_k x[m, g, k]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -46,8 +50,10 @@ void quantize_row(const at::BFloat16* x, int64_t k, int8_t* xq, float* dx, float
       amax = std::max(amax, std::fabs(values[i]));
       sum += values[i];
     }
+    // A group of zeros (or of denormals, whose inverse scale would overflow) gets no
+    // codes; its exact sum still multiplies the minima.
     const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    const float inv = scale >= FLT_MIN ? 1.f / scale : 0.f;
     for (int64_t i = 0; i < kGroup; ++i) {
       xq[g * kGroup + i] = static_cast<int8_t>(std::nearbyint(values[i] * inv));
     }
@@ -56,12 +62,19 @@ void quantize_row(const at::BFloat16* x, int64_t k, int8_t* xq, float* dx, float
   }
 }
 
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
 }  // namespace
 
 bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
 
 // codes: uint8 [n, k] in 0..15; scales, minima: float32 [n, k / 32].
-// Returns (packed uint8 [n / 16, k / 32, 4, 64], scales and minima float32 [n / 16, k / 32, 16]).
+// Returns (packed uint8 [n / 16, k / 32, 4, 64], scales then minima bfloat16 [n / 16, k / 32, 32]).
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes: uint8 [n, k]");
@@ -89,19 +102,22 @@ std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor
     }
   });
   auto reblock = [&](const at::Tensor& t) {
-    return t.to(at::kFloat).reshape({blocks, kBlock, groups}).transpose(1, 2).contiguous();
+    return t.to(at::kBFloat16).reshape({blocks, kBlock, groups}).transpose(1, 2);
   };
-  return {packed, reblock(scales), reblock(minima)};
+  return {packed, at::cat({reblock(scales), reblock(minima)}, 2).contiguous()};
 }
 
 // x: bfloat16 [m, k]; returns bfloat16 [m, n].
 at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& scales, const at::Tensor& minima) {
+                            const at::Tensor& scales_minima) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [m, k]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == 64, "packed layout");
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   TORCH_CHECK(groups * kGroup == k, "int4_vnni_matmul: k does not match the packed weights");
+  TORCH_CHECK(scales_minima.scalar_type() == at::kBFloat16 && scales_minima.is_contiguous() &&
+                  scales_minima.numel() == blocks * groups * 2 * kBlock,
+              "int4_vnni_matmul: scales and minima must be bfloat16 [n / 16, k / 32, 32]");
   const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
   auto out = at::empty({m, n}, x.options());
@@ -113,14 +129,12 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
                  sx.data() + row * groups);
   }
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* sc = scales.data_ptr<float>();
-  const float* mn = minima.data_ptr<float>();
+  const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = w + b * groups * 256;
-      const float* sb = sc + b * groups * kBlock;
-      const float* mb = mn + b * groups * kBlock;
+      const uint16_t* smb = sm + b * groups * 2 * kBlock;
       for (int64_t row = 0; row < m; ++row) {
         const int8_t* xr = xq.data() + row * k;
         const float* dr = dx.data() + row * groups;
@@ -131,7 +145,8 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
         __m512 total = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* wg = wb + g * 256;
-          const int32_t* xg = reinterpret_cast<const int32_t*>(xr + g * kGroup);
+          int32_t xg[8];  // the group's 32 int8 codes as 8 quads
+          std::memcpy(xg, xr + g * kGroup, sizeof(xg));
           __m512i dot = _mm512_setzero_si512();
           for (int p = 0; p < 4; ++p) {
             const __m512i v = _mm512_loadu_si512(wg + p * 64);
@@ -140,10 +155,15 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
             dot = _mm512_dpbusd_epi32(dot, lo, _mm512_set1_epi32(xg[p]));
             dot = _mm512_dpbusd_epi32(dot, hi, _mm512_set1_epi32(xg[4 + p]));
           }
-          const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(sb + g * kBlock),
-                                             _mm512_set1_ps(dr[g]));
-          total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, total);
-          total = _mm512_fmadd_ps(_mm512_loadu_ps(mb + g * kBlock), _mm512_set1_ps(sr[g]), total);
+          // bfloat16 to float32: the 16 bits on top of a zero low half.
+          const __m512i both = _mm512_loadu_si512(smb + g * 2 * kBlock);
+          const __m512 scale = _mm512_castsi512_ps(
+              _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
+          const __m512 minimum = _mm512_castsi512_ps(
+              _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
+          total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                  _mm512_mul_ps(scale, _mm512_set1_ps(dr[g])), total);
+          total = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sr[g]), total);
         }
         _mm512_storeu_ps(acc, total);
 #else
@@ -160,8 +180,9 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
                 dot += static_cast<int32_t>(byte >> 4) * xg[16 + 4 * p + i];
               }
             }
-            acc[r] += static_cast<float>(dot) * (sb[g * kBlock + r] * dr[g]);
-            acc[r] += mb[g * kBlock + r] * sr[g];
+            const uint16_t* smg = smb + g * 2 * kBlock;
+            acc[r] += static_cast<float>(dot) * (bf16_to_float(smg[r]) * dr[g]);
+            acc[r] += bf16_to_float(smg[kBlock + r]) * sr[g];
           }
         }
 #endif
