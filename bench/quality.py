@@ -40,6 +40,7 @@ MODES: dict[str, tuple[torch.dtype, str | None, torch.dtype | None, str | None]]
     "int4 (bf16 activations)": (torch.bfloat16, "int4", None, None),
     "int4 + 4-bit LM head": (torch.bfloat16, "int4", None, "int4"),
     "w4a8 (int8 activations)": (torch.bfloat16, "w4a8", None, None),
+    "w4a8 + w4a8 LM head": (torch.bfloat16, "w4a8", None, "w4a8"),
 }
 
 
