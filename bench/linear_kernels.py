@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
-from cbgen.bench.shapes import is_shape, shape_folder
 from cbgen.bench.workloads import resolve_model
 from cbgen.executor.cpu.prepack import PackedMap
 from cbgen.executor.cpu.quantization import QuantizedLinear
@@ -98,7 +97,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="bundled name, folder or shape:NAME")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    folder = shape_folder(args.model) if is_shape(args.model) else resolve_model(args.model)[0]
+    folder = resolve_model(args.model)[0]
     config = AutoConfig.from_pretrained(folder)
     print("| kind | rows | ms per step (all maps + LM head) | MB read | GB/s | tok/s ceiling |")
     print("|---|---:|---:|---:|---:|---:|")

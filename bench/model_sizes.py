@@ -24,14 +24,13 @@ import sys
 from pathlib import Path
 
 from cbgen.bench import sizes
-from cbgen.bench.shapes import is_shape, shape_folder
 from cbgen.bench.workloads import resolve_model
 
 ROOT = Path(__file__).resolve().parent
 
 
 def parameters(model: str) -> int:
-    folder = shape_folder(model) if is_shape(model) else resolve_model(model)[0]
+    folder = resolve_model(model)[0]
     return sizes.count_parameters(folder)
 
 

@@ -22,7 +22,7 @@ from . import metrics
 from .args import DEFAULT_REPEATS, add_arguments, parse_cpus, parse_engine_options, split_list
 from .machine import choose_cpus, process_env, versions
 from .peers import PEERS, bundled_gguf
-from .shapes import is_shape, shape_folder, shape_gguf, shape_info
+from .shapes import is_shape, shape_gguf, shape_info
 from .supervisor import ProcessOutcome, run_process, tail
 from .systems import SYSTEMS
 from .workloads import Workload, bench_dir, build_workload, load_tokenizer, resolve_model
@@ -75,19 +75,19 @@ class Bench:
         except (TypeError, ValueError) as exc:
             raise SystemExit(f"cbgen bench: bad engine settings: {exc}") from None
         self.notes: list[str] = []
-        self.shape: dict[str, Any] | None = None
         self.model_gguf = bundled_gguf(args.model)
         if is_shape(args.model):
             print(f"cbgen bench: the {args.model} model (built once, random weights) ...")
-            try:
-                folder = shape_folder(args.model)
-            except ValueError as exc:
-                raise SystemExit(f"cbgen bench: {exc}") from None
-            args.model = str(folder)
-        self.shape = shape_info(resolve_model(args.model)[0])
+        try:
+            folder, _ = resolve_model(args.model)
+        except ValueError as exc:  # an unknown shape
+            raise SystemExit(f"cbgen bench: {exc}") from None
+        if is_shape(args.model):
+            args.model = str(folder)  # the workers and peers load the folder
+        self.shape = shape_info(folder)
         if self.shape is not None and "llamacpp" in split_list(args.peers):
             print("cbgen bench: the same weights as a GGUF for llama.cpp (written once) ...")
-            self.model_gguf = str(shape_gguf(resolve_model(args.model)[0]))
+            self.model_gguf = str(shape_gguf(folder))
 
     # processes
 

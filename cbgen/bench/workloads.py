@@ -279,9 +279,12 @@ def long_messages(
 
 def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
     """``(folder, gguf_file)`` of a model as ``cbgen.load_model`` finds it (converting the
-    bundled model once if needed)."""
+    bundled model once if needed), or of a ``shape:NAME`` model (built once)."""
     from ..models.loader import BUNDLED_MODELS, _bundled_folder
+    from .shapes import is_shape, shape_folder
 
+    if is_shape(name_or_path):
+        return shape_folder(name_or_path), None
     key = name_or_path.lower()
     if key in BUNDLED_MODELS:
         return _bundled_folder(key), None
