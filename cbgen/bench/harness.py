@@ -17,11 +17,12 @@ from typing import Any
 from ..core.config import EngineConfig
 from ..frontends.args.parallel import parallel_settings
 from ..frontends.args.speculative import describe, speculative_settings
+from ..models.loader import bundled_gguf
 from ..sysmem import cpu_name, meminfo_kib
 from . import metrics
 from .args import DEFAULT_REPEATS, add_arguments, parse_cpus, parse_engine_options, split_list
 from .machine import choose_cpus, process_env, versions
-from .peers import PEERS, bundled_gguf
+from .peers import PEERS
 from .shapes import is_shape, shape_gguf, shape_info
 from .supervisor import ProcessOutcome, run_process, tail
 from .systems import SYSTEMS

