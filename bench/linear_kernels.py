@@ -3,7 +3,9 @@
 ``python bench/linear_kernels.py --rows 1,64,256 --threads 2 [--model shape:llama3.2-1b]``
 
 For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
-weight-only int8 and 4-bit, 4-bit with int8 activations (``w4a8``)) it builds the model's layer maps with q/k/v and
+cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 4 rows), weight-only int8 (with
+cbgen's few-row kernel, and ``int8-torch``: torch's kernel at every row count) and
+4-bit, 4-bit with int8 activations (``w4a8``)) it builds the model's layer maps with q/k/v and
 gate/up fused as the fast decoder runs them, one set of distinct weights per layer
 (so one row reads its weights from memory, as a real decode step does, instead of
 from a cache a repeated small matrix would stay in), plus the LM head, and reports
@@ -25,6 +27,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from cbgen.bench.workloads import resolve_model
+from cbgen.executor.cpu.kernels import decode_kernel
 from cbgen.executor.cpu.prepack import PackedMap
 from cbgen.executor.cpu.quantization import QuantizedLinear
 
@@ -51,14 +54,21 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
         dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         w = weight.to(dtype)
         return (lambda x: F.linear(x, w)), w.numel() * w.element_size(), dtype
+    if kind == "bf16-rows":  # cbgen's AVX512-BF16 kernel for up to 4 rows, plain weights
+        w = weight.to(torch.bfloat16).contiguous()
+        native = decode_kernel()
+        assert native is not None and rows <= 4, "bf16-rows: native kernels, at most 4 rows"
+        return (lambda x: native.bf16_rows_matmul(x, w)), w.numel() * 2, torch.bfloat16
     if kind in ("fp32-packed", "bf16-packed"):
         dtype = torch.float32 if kind == "fp32-packed" else torch.bfloat16
         packed = PackedMap(weight.to(dtype), None, rows)
         return packed, weight.numel() * torch.empty((), dtype=dtype).element_size(), dtype
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data = weight
-    module = QuantizedLinear.from_linear(linear, kind)
+    module = QuantizedLinear.from_linear(linear, kind.removesuffix("-torch"))
     linear_map = module.kernel()
+    if kind == "int8-torch":  # torch's own int8 kernel at every row count
+        linear_map.rows_limit = 0
     tensors = [t for t in vars(linear_map).values() if isinstance(t, torch.Tensor)]
     return linear_map, sum(t.numel() * t.element_size() for t in tensors), torch.bfloat16
 

@@ -311,3 +311,23 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path):
         assert any("chart skipped" in note for note in results["notes"])
     else:
         assert (out / "throughput.png").stat().st_size > 1000
+
+
+def test_the_roofline_of_a_quantized_run_times_the_dense_gemms(tiny_chat_model_dir):
+    """A quantized model has no nn.Linear left; the roofline worker times the dense
+    GEMMs of the run's dtype on the same shapes instead of failing on none."""
+    from cbgen.bench.roofline import measure
+    from cbgen.bench.worker import run_spec
+
+    spec = {
+        "kind": "roofline",
+        "model": str(tiny_chat_model_dir),
+        "dtype": "bfloat16",
+        "quantization": "int8",
+        "threads": 1,
+        "roofline": {"m": 2, "min_time": 0.001},
+    }
+    roofline = run_spec(spec)["roofline"]
+    assert roofline["peak_flops"] > 0 and roofline["shapes"]
+    with pytest.raises(ValueError, match="no"):
+        measure([])

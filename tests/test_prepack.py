@@ -9,18 +9,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import cbgen
 from cbgen import EngineConfig, SamplingParams
+from cbgen.executor.cpu import prepack
+from cbgen.executor.cpu.kernels import decode_kernel
 from cbgen.executor.cpu.prepack import (
     DISABLE_ENV,
     NO_FUSE_ENV,
+    ROW_COPY_ENV,
     PackedLinears,
     file_backed_ranges,
+    packed_linear,
     page_out,
     prepack_enabled_by_default,
     prepack_supported,
+    row_copy_wanted,
 )
 from cbgen.executor.runner import Executor
 
@@ -240,3 +247,77 @@ def test_packing_a_file_backed_model_releases_its_original_weights(smollm2):
             assert torch.equal(embedding(ids), rows)
     finally:
         packed.restore()
+
+
+needs_row_kernel = pytest.mark.skipif(
+    decode_kernel() is None or not decode_kernel().bf16_rows_available(),
+    reason="no native bf16 row kernel (AVX512-BF16) here",
+)
+
+
+@needs_row_kernel
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    out_features=st.integers(1, 40),
+    in_features=st.integers(1, 200),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_row_kernel_is_the_product_to_one_rounding(
+    rows, out_features, in_features, bias, seed
+):
+    """Any shape, tails included: the exact product of the bfloat16 numbers (and the
+    bias, added before rounding), summed in float32 and rounded once to bfloat16."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    got = decode_kernel().bf16_rows_matmul(x, weight, b).double()
+    want = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    magnitude = x.double().abs() @ weight.double().abs().t() + (b.double().abs() if bias else 0)
+    assert bool(((got - want).abs() <= 2**-8 * want.abs() + 2**-20 * magnitude).all())
+
+
+@needs_row_kernel
+def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypatch):
+    """With the row copy, 1-4 rows are the row kernel's output and 5 or more oneDNN's,
+    bit for bit; without it (``CBGEN_BF16_ROW_COPY=0``) every call is oneDNN's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 40)).to(torch.bfloat16)
+    monkeypatch.setenv(ROW_COPY_ENV, "1")
+    packed = PackedLinears(model, dtype=torch.bfloat16)
+    linear_map = packed.packed_weight(model[0])
+    assert packed.row_copy and linear_map.weight is not None
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 5, 64):
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            got = model[0](x)
+            if rows <= prepack.ROW_KERNEL_ROWS:
+                want = decode_kernel().bf16_rows_matmul(x, linear_map.weight, model[0].bias)
+            else:
+                want = packed_linear(x, linear_map.packed, model[0].bias)
+            assert torch.equal(got, want)
+    packed.restore()
+    monkeypatch.setenv(ROW_COPY_ENV, "0")
+    packed = PackedLinears(model, dtype=torch.bfloat16)
+    linear_map = packed.packed_weight(model[0])
+    assert not packed.row_copy and linear_map.weight is None
+    x = torch.randn(1, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(model[0](x), packed_linear(x, linear_map.packed, model[0].bias))
+    packed.restore()
+
+
+def test_the_row_copy_is_kept_while_it_is_a_small_share_of_memory(monkeypatch):
+    monkeypatch.delenv(ROW_COPY_ENV, raising=False)
+    monkeypatch.setattr(prepack, "meminfo_kib", lambda field: 8 * 2**20)  # 8 GiB
+    assert row_copy_wanted(2**30)  # 1 GiB: an eighth
+    assert not row_copy_wanted(2**30 + 1)
+    monkeypatch.setenv(ROW_COPY_ENV, "1")
+    assert row_copy_wanted(2**40)
+    monkeypatch.setenv(ROW_COPY_ENV, "0")
+    assert not row_copy_wanted(1)
+    monkeypatch.delenv(ROW_COPY_ENV)
+    monkeypatch.setattr(prepack, "meminfo_kib", lambda field: None)  # not Linux: no copy
+    assert not row_copy_wanted(1)

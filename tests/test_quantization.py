@@ -141,7 +141,11 @@ def test_quantize_model_replaces_linears_and_keeps_unfit_shapes():
     assert quantize_model(model, "int4") == 2
     assert isinstance(model[0], QuantizedLinear) and isinstance(model[3], QuantizedLinear)
     assert type(model[1]) is nn.Linear and type(model[2]) is nn.Linear
-    assert quantize_model(nn.ModuleList([nn.Linear(24, 8)]), "int8") == 1  # any shape
+    # torch's int8 kernel wants input columns in blocks of 16 (else it crashes at 2+ rows).
+    odd = nn.ModuleList([nn.Linear(24, 8), nn.Linear(32, 8)])
+    assert quantize_model(odd, "int8") == 1 and type(odd[0]) is nn.Linear
+    with torch.inference_mode():
+        assert odd[0](torch.randn(5, 24)).shape == (5, 8)
     assert "mode=int4, group_size=32" in repr(model[0])
     assert {"codes", "scales", "minima", "bias"} <= {k.split(".")[-1] for k in model.state_dict()}
 
@@ -324,6 +328,71 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     assert _relative_error(got, want) < 2**-7  # the output's and the bias add's bf16 roundings
     assert torch.allclose(got[0], linear.bias.to(torch.bfloat16).float())
     assert _relative_error(plain, want) > _relative_error(got, want)
+
+
+@needs_kernel
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    out_features=st.integers(1, 40),
+    in_features=st.integers(1, 100),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_rows_kernel_is_the_exact_product_to_float32_rounding(
+    rows, out_features, in_features, seed
+):
+    """cbgen's few-row int8 kernel on any shape (tails of both dimensions included): the
+    codes times the input rounded to int16 per group of 256 columns (a step of the
+    group's largest magnitude over 32767), summed exactly per group, then in float32,
+    times each row's scale, rounded once to bfloat16."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+    codes = codes.to(torch.int8)
+    scales = (torch.rand(out_features, generator=generator) + 0.01).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=generator)
+    x[:, : in_features // 3] *= 100  # outlier columns: other groups keep their own step
+    x = x.to(torch.bfloat16)
+    got = decode_kernel().int8_rows_matmul(x, codes, scales).double()
+    want = torch.zeros(rows, out_features, dtype=torch.float64)
+    magnitude = torch.zeros_like(want)
+    for begin in range(0, in_features, 256):
+        group = x[:, begin : begin + 256].float()
+        step = group.abs().amax(dim=1, keepdim=True) / 32767
+        inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+        quantized = torch.round(group * inverse).double()
+        assert bool((quantized.abs() <= 32767).all())
+        part = quantized @ codes[:, begin : begin + 256].double().t() * step.double()
+        want += part
+        magnitude += part.abs()
+    want *= scales.double()
+    magnitude *= scales.double()
+    # A float32 sum per group, then one bfloat16 rounding of the output.
+    assert bool(((got - want).abs() <= 2**-8 * want.abs() + 2**-20 * magnitude).all())
+    # The int16 step is far below the input's own bfloat16 rounding.
+    exact = (x.double() @ codes.double().t()) * scales.double()
+    assert float((got - exact).abs().max()) <= 2**-7 * float(exact.abs().max()) + 1e-6
+
+
+@needs_kernel
+def test_int8_maps_take_the_rows_kernel_for_a_few_rows():
+    """Up to ``rows_limit`` rows run cbgen's kernel, more run torch's; both give the
+    dequantized product to the output's rounding."""
+    torch.manual_seed(4)
+    linear = nn.Linear(64, 48, bias=False)
+    module = QuantizedLinear.from_linear(linear, "int8")
+    kernel = module.kernel()
+    assert kernel.rows_limit == 4
+    for rows in (1, 4, 5, 16):
+        x = torch.randn(rows, 64)
+        rounded = x.to(torch.bfloat16)
+        with torch.inference_mode():
+            got = module(rounded)
+        assert _relative_error(got, _reference(module, x)) < KERNEL_RTOL
+        if rows <= 4:
+            want = decode_kernel().int8_rows_matmul(rounded, module.codes, kernel.scales)
+        else:
+            want = torch._weight_int8pack_mm(rounded, module.codes, kernel.scales)
+        assert torch.equal(got, want)
 
 
 def test_w4a8_wants_groups_of_32():

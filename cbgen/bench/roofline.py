@@ -90,6 +90,8 @@ def measure(
     min_time: float = 0.2,
     trials: int = 3,
 ) -> dict[str, Any]:
+    if not shapes:
+        raise ValueError("the roofline needs the model's nn.Linear shapes, and it has none")
     generator = torch.Generator().manual_seed(0)
     per_shape = []
     total_flops = 0.0

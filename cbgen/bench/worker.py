@@ -59,12 +59,15 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     }
     started = time.perf_counter()
     # The prompts come as token ids: no tokenizer in the measured process.
+    # The roofline is of the dense GEMMs in the run's dtype: a quantized model has no
+    # nn.Linear left to take shapes from.
+    dense = spec["kind"] == "roofline"
     model, _ = load_model(
         spec.get("model", "smollm2"),
         dtype=dtype,
         tokenizer=False,
-        quantization=spec.get("quantization"),
-        lm_head_quantization=spec.get("lm_head_quantization"),
+        quantization=None if dense else spec.get("quantization"),
+        lm_head_quantization=None if dense else spec.get("lm_head_quantization"),
     )
     result["load_s"] = time.perf_counter() - started
     result["rss_after_load_kib"] = proc_status_kib("VmRSS")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...sysmem import file_mappings, unmodified_file_pages
+from ...sysmem import file_mappings, meminfo_kib, unmodified_file_pages
 
 logger = logging.getLogger(__name__)
 
@@ -92,22 +92,70 @@ class LinearMap:
 
 
 class PackedMap(LinearMap):
-    """A oneDNN prepacked weight (float32 or bfloat16) and its bias."""
+    """A oneDNN prepacked weight (float32 or bfloat16) and its bias.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, hint: int) -> None:
+    ``row_copy`` (bfloat16 only) also keeps the plain ``[out, in]`` weight for cbgen's
+    few-row kernel (``bf16_rows_matmul``), which serves 1 to ``ROW_KERNEL_ROWS`` rows:
+    there oneDNN read SmolLM2's weights at ~20 GB/s and the 1B shape's at ~25, the
+    row kernel at ~31 (``bench/linear_kernels.py --kinds bf16-packed,bf16-rows``).
+    More rows go to oneDNN, whose blocked GEMMs win at batch sizes.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        hint: int,
+        row_copy: bool = False,
+    ) -> None:
         self.dtype = weight.dtype
         self.out_features = int(weight.shape[0])
         self.packed = pack_weight(weight, hint)
         self.bias = bias
+        self.rows_kernel = (
+            _bf16_rows_kernel() if row_copy and weight.dtype is torch.bfloat16 else None
+        )
+        self.weight = weight.detach().contiguous() if self.rows_kernel is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = packed_linear(x, self.packed, self.bias)
+        if self.weight is not None and x.dim() == 2 and 0 < x.shape[0] <= ROW_KERNEL_ROWS:
+            out = self.rows_kernel.bf16_rows_matmul(x, self.weight, self.bias)
+        else:
+            out = packed_linear(x, self.packed, self.bias)
         if self.lora is not None:
             self.lora(x, out)
         return out
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype
+
+
+# The most rows cbgen's bf16 row kernel takes (a decode step of up to 4 sequences).
+ROW_KERNEL_ROWS = 4
+# "1"/"0": keep (or not) the plain bf16 weights for the row kernel, whatever their size.
+ROW_COPY_ENV = "CBGEN_BF16_ROW_COPY"
+# By default the copy is kept while the plain weights are at most this share of RAM.
+ROW_COPY_MEMORY_SHARE = 1 / 8
+
+
+def _bf16_rows_kernel() -> Any:
+    """cbgen's native module where it has the AVX512-BF16 row kernel, else None."""
+    from .kernels import decode_kernel
+
+    kernel = decode_kernel()
+    return kernel if kernel is not None and kernel.bf16_rows_available() else None
+
+
+def row_copy_wanted(weight_bytes: int) -> bool:
+    """Whether bf16 maps keep their plain weights beside oneDNN's packed copy for the row
+    kernel: that copy doubles the weights' memory, so by default only while it is at
+    most ``ROW_COPY_MEMORY_SHARE`` of the machine's RAM (SmolLM2's 269 MB, a 1B model's
+    2.5 GB on 24 GiB; not a 3B model's 6.2 GB). ``CBGEN_BF16_ROW_COPY=1``/``0`` decides."""
+    forced = os.environ.get(ROW_COPY_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    total_kib = meminfo_kib("MemTotal")
+    return total_kib is not None and weight_bytes <= total_kib * 1024 * ROW_COPY_MEMORY_SHARE
 
 
 def _plain_call(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -216,6 +264,13 @@ class PackedLinears:
             raise ValueError(f"oneDNN packs {PACKED_DTYPES} weights, not {dtype}")
         self.dtype = dtype
         self._hint = batch_size_hint
+        self.row_copy = dtype is torch.bfloat16 and row_copy_wanted(
+            sum(
+                m.weight.numel() * m.weight.element_size()
+                for m in model.modules()
+                if isinstance(m, nn.Linear) and self._servable(m)
+            )
+        )
         # What serves each module: its own map, or a fused group.
         self._single: dict[nn.Module, LinearMap] = {}
         self._fused: dict[nn.Module, _SharedInput] = {}
@@ -286,7 +341,7 @@ class PackedLinears:
         bias = (
             torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
         )  # type: ignore[union-attr]
-        return PackedMap(weight, bias, self._hint)
+        return PackedMap(weight, bias, self._hint, row_copy=self.row_copy)
 
     @staticmethod
     def _page_out(module: nn.Module, file_maps: list[tuple[int, int]]) -> int:

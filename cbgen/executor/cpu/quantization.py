@@ -239,14 +239,26 @@ class _QuantizedMap(LinearMap):
 
 
 class Int8Map(_QuantizedMap):
-    """``torch._weight_int8pack_mm``: int8 ``[out, in]`` codes, one scale per output."""
+    """int8 ``[out, in]`` codes, one scale per output: ``torch._weight_int8pack_mm``, and for
+    up to ``rows_limit`` rows (decoding a few sequences) cbgen's ``int8_rows_matmul``.
+
+    torch's kernel reads the codes at ~17 GB/s on 2 cores at one row; the native one
+    reads the same row-major codes at ~31 (all of a 1B model's int8 maps and head at one
+    row: 66 -> 40 ms, ``bench/linear_kernels.py --kinds int8-torch,int8``). It rounds
+    the activations to int16 per group of 256 columns (a step of 2^-15 of the group's
+    largest magnitude, far below their own bfloat16 rounding) for exact integer sums.
+    """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(int(codes.shape[0]), bias)
         self.codes = codes.contiguous()
         self.scales = scales.to(COMPUTE_DTYPE)
+        self.rows_kernel = _native_kernel() if codes.device.type == "cpu" else None
+        self.rows_limit = self.rows_kernel.int8_rows_limit() if self.rows_kernel else 0
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.rows_limit and self.rows_kernel is not None:
+            return self.rows_kernel.int8_rows_matmul(x, self.codes, self.scales)
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
 
@@ -297,15 +309,20 @@ class Int4Map(_QuantizedMap):
         )
 
 
+def _native_kernel() -> Any:
+    """cbgen's compiled CPU kernels, or None where they are off or failed to build."""
+    from .kernels import decode_kernel
+
+    return decode_kernel()
+
+
 def _vnni_kernel(codes: torch.Tensor, group_size: int) -> Any:
     """The native module when it has the VNNI 4-bit kernel and ``codes`` fit its layout."""
     global _vnni_warned
     out_features, in_features = codes.shape
     if group_size != 32 or out_features % 16 or in_features % 32 or codes.device.type != "cpu":
         return None
-    from .kernels import decode_kernel
-
-    kernel = decode_kernel()
+    kernel = _native_kernel()
     if kernel is not None and kernel.int4_vnni_available():
         return kernel
     if not _vnni_warned:
@@ -326,9 +343,13 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
         return None
 
 
-def _int4_shape_ok(linear: nn.Linear, group_size: int) -> bool:
-    # torch's 4-bit CPU layout: input columns in whole groups, outputs in blocks of 16.
-    return linear.in_features % group_size == 0 and linear.out_features % 16 == 0
+def _shape_ok(linear: nn.Linear, mode: str, group_size: int) -> bool:
+    if mode in FOUR_BIT_MODES:
+        # torch's 4-bit CPU layout: input columns in whole groups, outputs in blocks of 16.
+        return linear.in_features % group_size == 0 and linear.out_features % 16 == 0
+    # torch's int8 kernel reads input columns 16 at a time: with any other count it
+    # returns garbage or crashes the process on two rows or more (torch 2.13).
+    return linear.in_features % 16 == 0
 
 
 def quantize_model(
@@ -345,8 +366,9 @@ def quantize_model(
     int8 head of SmolLM2 is a third of an int4 decode step); its quality cost is in the
     README's quality table. A tied LM head is quantized as its own copy; the embedding
     keeps the full-precision matrix.
-    A map whose shape the 4-bit kernel cannot take (input columns not in whole groups,
-    outputs not in blocks of 16) stays as it is, and is logged.
+    A map whose shape the kernels cannot take (4-bit: input columns not in whole groups
+    or outputs not in blocks of 16; int8: input columns not in blocks of 16) stays as
+    it is, and is logged.
     """
     validate_mode(mode)
     head_mode = validate_mode(lm_head, "lm_head") or "int8"
@@ -365,7 +387,7 @@ def quantize_model(
                 continue
             full = f"{parent_name}.{name}" if parent_name else name
             child_mode = head_mode if child is head else mode
-            if child_mode in FOUR_BIT_MODES and not _int4_shape_ok(child, group_size):
+            if not _shape_ok(child, child_mode, group_size):
                 skipped.append(full)
                 continue
             setattr(parent, name, QuantizedLinear.from_linear(child, child_mode, group_size))

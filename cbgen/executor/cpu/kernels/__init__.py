@@ -34,7 +34,15 @@ from ....sysmem import cpu_signature
 logger = logging.getLogger(__name__)
 
 # Compiled into one extension module; bindings.cpp declares what Python sees.
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "argmax.cpp", "int4_matmul.cpp", "bindings.cpp")
+SOURCES = (
+    "paged_decode.cpp",
+    "layer_ops.cpp",
+    "argmax.cpp",
+    "int4_matmul.cpp",
+    "int8_matmul.cpp",
+    "bf16_matmul.cpp",
+    "bindings.cpp",
+)
 
 DISABLE_ENV = "CBGEN_NO_KERNELS"
 

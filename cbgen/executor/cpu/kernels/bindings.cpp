@@ -19,6 +19,12 @@ std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor
                                        const at::Tensor& minima);
 at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
+int64_t int8_rows_limit();
+bool bf16_rows_available();
+at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias);
+at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
+                            const at::Tensor& scales);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
@@ -40,4 +46,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_vnni_matmul", &int4_vnni_matmul,
         "bfloat16 [m, k] x 4-bit weights, int8 activations per group of 32 (CPU)", py::arg("x"),
         py::arg("packed"), py::arg("scales_minima"));
+  m.def("int8_rows_limit", &int8_rows_limit, "the most rows int8_rows_matmul takes");
+  m.def("int8_rows_matmul", &int8_rows_matmul,
+        "bfloat16 [m, k] x int8 [n, k] codes x bfloat16 [n] scales, m <= 4 (CPU)", py::arg("x"),
+        py::arg("codes"), py::arg("scales"));
+  m.def("bf16_rows_available", &bf16_rows_available,
+        "whether bf16_rows_matmul was compiled with AVX512-BF16");
+  m.def("bf16_rows_matmul", &bf16_rows_matmul,
+        "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), m <= 4 (CPU)", py::arg("x"),
+        py::arg("weight"), py::arg("bias") = py::none());
 }
