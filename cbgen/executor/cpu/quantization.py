@@ -257,7 +257,7 @@ class Int8Map(_QuantizedMap):
         self.rows_limit = self.rows_kernel.int8_rows_limit() if self.rows_kernel else 0
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.rows_limit and self.rows_kernel is not None:
+        if 0 < x.shape[0] <= self.rows_limit and self.rows_kernel is not None:
             return self.rows_kernel.int8_rows_matmul(x, self.codes, self.scales)
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 

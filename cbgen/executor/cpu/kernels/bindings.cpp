@@ -46,7 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_vnni_matmul", &int4_vnni_matmul,
         "bfloat16 [m, k] x 4-bit weights, int8 activations per group of 32 (CPU)", py::arg("x"),
         py::arg("packed"), py::arg("scales_minima"));
-  m.def("int8_rows_limit", &int8_rows_limit, "the most rows int8_rows_matmul takes");
+  m.def("int8_rows_limit", &int8_rows_limit,
+        "the most rows to give int8_rows_matmul (0: built without its vector path)");
   m.def("int8_rows_matmul", &int8_rows_matmul,
         "bfloat16 [m, k] x int8 [n, k] codes x bfloat16 [n] scales, m <= 4 (CPU)", py::arg("x"),
         py::arg("codes"), py::arg("scales"));

@@ -145,7 +145,9 @@ void rows_matmul(const int8_t* w, const at::BFloat16* scales, int64_t n, int64_t
 
 }  // namespace
 
-int64_t int8_rows_limit() { return kMaxRows; }
+// The most rows int8_rows_matmul should be given; 0 where it was built without AVX512-VNNI
+// (its scalar path is there for correctness, and torch's kernel is faster than it).
+int64_t int8_rows_limit() { return CBGEN_INT8_AVX512 ? kMaxRows : 0; }
 
 // x: bfloat16 [m, k] with m <= 4; codes: int8 [n, k]; scales: bfloat16 [n].
 // Returns bfloat16 [m, n], what torch._weight_int8pack_mm(x, codes, scales) returns.
