@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import EngineConfig
+from ..executor.cpu.quantization import QUANTIZATION_MODES
 from ..frontends.args.parallel import add_parallel_arguments
 from ..frontends.args.speculative import add_speculative_arguments
 from .peers import PEERS
@@ -46,14 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     w.add_argument(
         "--quantization",
-        choices=["int8", "int4", "w4a8"],
+        choices=QUANTIZATION_MODES,
         help="cbgen and transformers run the model with weight-only int8 or 4-bit linear maps "
         "(activations in --dtype) or w4a8 (int8 activations); llama.cpp runs the bundled "
         "Q4_1 file as it is (a shape:NAME model's GGUF quantized to Q4_0)",
     )
     w.add_argument(
         "--lm-head-quantization",
-        choices=["int8", "int4", "w4a8"],
+        choices=QUANTIZATION_MODES,
         help="the LM head's codes under --quantization (default int8)",
     )
     w.add_argument("--quick", action="store_true", help="few prompts, few tokens, 1 repeat")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ...executor.cpu.quantization import QUANTIZATION_MODES
+
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -19,13 +21,13 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=["int8", "int4", "w4a8"],
+        choices=QUANTIZATION_MODES,
         help="weight-only int8 or 4-bit linear maps, or w4a8: 4-bit weights with int8 "
         "activations on AVX512-VNNI (see the docs for speed and quality)",
     )
     parser.add_argument(
         "--lm-head-quantization",
-        choices=["int8", "int4", "w4a8"],
+        choices=QUANTIZATION_MODES,
         help="the LM head's codes under --quantization (default int8; int4 is faster for "
         "a single stream and costs quality: see the README's quality table)",
     )

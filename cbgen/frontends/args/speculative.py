@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ...executor.cpu.quantization import QUANTIZATION_MODES
 from ...spec.speculative import METHODS, SpeculativeConfig
 
 
@@ -28,7 +29,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--draft-quantization",
-        choices=["int8", "int4", "w4a8"],
+        choices=QUANTIZATION_MODES,
         help="draft: weight-only int8 or 4-bit draft (--draft-model defaulting to the model "
         "itself makes a quantized self-draft)",
     )
