@@ -1,19 +1,19 @@
 // bfloat16 weights times a few bfloat16 rows with AVX512-BF16, streaming the weights.
 //
 // At one to four rows a linear map is a matrix-vector product per row, bound by reading
-// the weights once. oneDNN's packed bf16 kernels read them at ~27 GB/s on 2 cores at
-// one row, where this machine streams ~42 GB/s. Each output here is a dot product along
-// one contiguous weight row: `vdpbf16ps` multiplies 32 bfloat16 weights by 32 bfloat16
-// activations and adds the pairs into 16 float32 sums, four output rows sharing each
-// load of the activations. Products of two bfloat16 are exact in float32, so the result
-// differs from oneDNN's only by the order of the float32 sums (and `vdpbf16ps` flushes
-// denormal inputs to zero, as oneDNN's bf16 kernels do).
+// the weights once. oneDNN's packed bf16 kernels read them at ~20-25 GB/s on 2 cores at
+// one row, below what this machine streams. Each output here is a dot product along
+// one contiguous weight row, read one row at a time (interleaving four rows left the
+// hardware prefetcher at half speed): `vdpbf16ps` multiplies 32 bfloat16 weights by 32
+// bfloat16 activations and adds the pairs into 16 float32 sums. Products of two
+// bfloat16 are exact in float32, so the result differs from oneDNN's only by the order
+// of the float32 sums (and `vdpbf16ps` flushes denormal inputs to zero, as oneDNN's
+// bf16 kernels do).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <algorithm>
-#include <cstring>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -26,13 +26,6 @@ namespace {
 
 constexpr int64_t kMaxRows = 4;  // activation rows one call takes
 constexpr int64_t kTask = 64;    // weight rows a thread takes at a time
-
-inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
 
 #if CBGEN_BF16_DOT
 inline __mmask32 head_mask(int64_t left) {
@@ -70,7 +63,8 @@ template <int M>
 inline void dot_row(const uint16_t* w, int64_t k, const uint16_t* x, float* out) {
   for (int j = 0; j < M; ++j) {
     float sum = 0.f;
-    for (int64_t i = 0; i < k; ++i) sum += bf16_value(w[i]) * bf16_value(x[j * k + i]);
+    for (int64_t i = 0; i < k; ++i)
+      sum += c10::detail::f32_from_bits(w[i]) * c10::detail::f32_from_bits(x[j * k + i]);
     out[j] = sum;
   }
 }

@@ -62,13 +62,6 @@ void quantize_row(const at::BFloat16* x, int64_t k, int8_t* xq, float* dx, float
   }
 }
 
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
 }  // namespace
 
 bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
@@ -181,8 +174,8 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
               }
             }
             const uint16_t* smg = smb + g * 2 * kBlock;
-            acc[r] += static_cast<float>(dot) * (bf16_to_float(smg[r]) * dr[g]);
-            acc[r] += bf16_to_float(smg[kBlock + r]) * sr[g];
+            acc[r] += static_cast<float>(dot) * (c10::detail::f32_from_bits(smg[r]) * dr[g]);
+            acc[r] += c10::detail::f32_from_bits(smg[kBlock + r]) * sr[g];
           }
         }
 #endif
