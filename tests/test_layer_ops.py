@@ -151,3 +151,54 @@ def test_rope_qkv_bfloat16(qkv_dtype, cache_dtype):
     torch.testing.assert_close(stored_k, k_ref[0].transpose(0, 1), rtol=2 * BF16_ULP, atol=1e-6)
     v_ref = wide[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     torch.testing.assert_close(stored_v, v_ref, rtol=BF16_ULP, atol=0)
+
+
+@pytest.mark.parametrize("dim", [32, 48, 64, 128])  # 48: one 16-wide vector and a tail
+def test_rope_qkv_bfloat16_vectors_round_as_apply_rotary_pos_emb(dim):
+    """bfloat16 in and out: the float32 rotation rounded once, to the bit (the vector
+    path makes the same products and sums as the scalar one, and rounds as torch does)."""
+    torch.manual_seed(dim)
+    tokens, heads, kv_heads = 33, 9, 3  # 33 rows: two threads' shares and one more
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 4).to(torch.bfloat16)
+    cos, sin = torch.randn(tokens, dim), torch.randn(tokens, dim)
+    wide = qkv.float()
+    q_ref = wide[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
+    k_ref = wide[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q_ref, k_ref.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)
+    )
+    fused = qkv.clone()
+    q = kernels.rope_qkv(fused, cos, sin, heads, kv_heads)
+    assert torch.equal(q, q_ref[0].transpose(0, 1).to(torch.bfloat16))
+    k = fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    assert torch.equal(k, k_ref[0].transpose(0, 1).to(torch.bfloat16))
+    values = slice((heads + kv_heads) * dim, None)
+    assert torch.equal(fused[:, values], qkv[:, values])
+
+
+@pytest.mark.parametrize(("rows", "intermediate"), [(1, 1536), (64, 1536), (3, 40), (33, 17)])
+def test_silu_mul_is_float32_silu_times_up_rounded_once(rows, intermediate):
+    """silu(gate) * up in float32, rounded once to bfloat16: within one bfloat16 step of
+    torch's float32 result (the exp is another float32 implementation's, so a value
+    next to a rounding boundary may round the other way), and the same for large
+    gates of either sign, where exp(-gate) overflows."""
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * intermediate) * 3).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])
+    got = kernels.silu_mul(gate_up, intermediate)
+    wide = gate_up.float()
+    want = torch.nn.functional.silu(wide[:, :intermediate]) * wide[:, intermediate:]
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, intermediate)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got.float(), want, rtol=BF16_ULP, atol=1e-30)
+    same = (got == want.to(torch.bfloat16)).float().mean().item()
+    assert same > 0.99  # nearly all round exactly as torch's float32 result does
+
+
+def test_silu_mul_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.silu_mul(torch.randn(2, 8), 4)
+    with pytest.raises(RuntimeError, match="2 \\* intermediate"):
+        kernels.silu_mul(torch.randn(2, 8).to(torch.bfloat16), 3)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.silu_mul(torch.randn(8, 2).to(torch.bfloat16).t(), 4)

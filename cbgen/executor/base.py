@@ -109,6 +109,8 @@ class LayerOps(Backend):
     add_rms_norm: Callable[..., torch.Tensor]
     # Rotary embedding of a fused q/k/v projection, storing the new K/V in the cache.
     rope_qkv: Callable[..., torch.Tensor]
+    # ``silu(gate) * up`` of a fused bfloat16 gate/up projection, or None (then torch's).
+    silu_mul: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
 
 class GreedyBackend(Backend):

@@ -60,7 +60,7 @@ class NativeKernels:
 
 
 class NativeLayerOps(LayerOps):
-    """``add_rms_norm`` and ``rope_qkv`` from ``cbgen/executor/cpu/kernels/layer_ops.cpp``: float32 on
+    """``add_rms_norm``, ``rope_qkv`` and ``silu_mul`` from ``cbgen/executor/cpu/kernels/layer_ops.cpp``: float32 on
     CPU, following transformers' Llama formulas operation by operation (bfloat16 GEMM
     inputs and outputs and caches, with float32 arithmetic)."""
 
@@ -79,4 +79,5 @@ class NativeLayerOps(LayerOps):
         assert module is not None
         self.add_rms_norm = module.add_rms_norm
         self.rope_qkv = module.rope_qkv
+        self.silu_mul = getattr(module, "silu_mul", None)
         return None

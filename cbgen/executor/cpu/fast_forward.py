@@ -105,6 +105,10 @@ class FastForward:
         self._layers = layers
         self._lm_head = lm_head
         self._ops = layer_ops
+        # bfloat16: silu(gate) * up in one call, rounded once. float32 keeps torch's silu,
+        # whose result transformers' module gives to the bit.
+        silu_mul = getattr(layer_ops, "silu_mul", None)
+        self._silu_mul = silu_mul if weight.dtype == torch.bfloat16 else None
         self._heads, self._kv_heads, self._head_dim = heads, kv_heads, head_dim
         self.vocab_size = int(model.lm_head.out_features)  # type: ignore[union-attr]
 
@@ -155,8 +159,11 @@ class FastForward:
                 delta = layer.o_reduce(delta)
             x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps, dtype)
             gate_up = layer.gate_up(x)
-            act = F.silu(gate_up[:, : layer.intermediate])
-            act.mul_(gate_up[:, layer.intermediate :])
+            if self._silu_mul is not None and gate_up.dtype == torch.bfloat16:
+                act = self._silu_mul(gate_up, layer.intermediate)
+            else:
+                act = F.silu(gate_up[:, : layer.intermediate])
+                act.mul_(gate_up[:, layer.intermediate :])
             delta = layer.down(act)
             if layer.down_reduce is not None:
                 delta = layer.down_reduce(delta)

@@ -43,6 +43,8 @@ SOURCES = (
     "bf16_matmul.cpp",
     "bindings.cpp",
 )
+# Included by the sources; part of the build key, so an edit rebuilds.
+HEADERS = ("simd.h",)
 
 DISABLE_ENV = "CBGEN_NO_KERNELS"
 
@@ -144,7 +146,7 @@ def machine_key() -> str:
     import torch
 
     here = Path(__file__).parent
-    sources = hashlib.sha256(b"".join((here / name).read_bytes() for name in SOURCES))
+    sources = hashlib.sha256(b"".join((here / name).read_bytes() for name in SOURCES + HEADERS))
     parts = [
         platform.machine(),
         torch.__version__,

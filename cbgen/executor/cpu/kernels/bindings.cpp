@@ -13,6 +13,7 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                     int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& key_cache,
                     const c10::optional<at::Tensor>& value_cache,
                     const c10::optional<at::Tensor>& slots);
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
 at::Tensor argmax_rows(const at::Tensor& logits);
 bool int4_vnni_available();
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
@@ -38,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
         py::arg("key_cache") = py::none(), py::arg("value_cache") = py::none(),
         py::arg("slots") = py::none());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused bfloat16 gate/up projection (CPU)",
+        py::arg("gate_up"), py::arg("intermediate"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 [rows, vocab] (CPU)");
   m.def("int4_vnni_available", &int4_vnni_available,
         "whether int4_vnni_matmul was compiled with AVX512-VNNI");

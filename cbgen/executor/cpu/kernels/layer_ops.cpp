@@ -20,6 +20,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "simd.h"
+
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -142,7 +144,22 @@ void rope_rows(Q* src_ptr, int64_t stride, const float* c_ptr, const float* s_pt
       Q* row = src_ptr + t * stride;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         Q* x = row + h * dim;
-        for (int64_t j = 0; j < half; ++j) {
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        // bfloat16 in and out: the same products and sums as the loop below, 16 at a
+        // time (an explicit multiply and subtract: nothing fused), rounded as it rounds.
+        if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+          C* y = h < heads ? q_ptr + (t * heads + h) * dim : x;
+          for (; j + kWidth <= half; j += kWidth) {
+            const vfloat lo = vload_bf16(x + j), hi = vload_bf16(x + j + half);
+            const vfloat y_lo = vsub(vmul(lo, vload(c + j)), vmul(hi, vload(s + j)));
+            const vfloat y_hi = vadd(vmul(hi, vload(c + j + half)), vmul(lo, vload(s + j + half)));
+            vstore_bf16(y + j, y_lo);
+            vstore_bf16(y + j + half, y_hi);
+          }
+        }
+#endif
+        for (; j < half; ++j) {
           const float lo = static_cast<float>(x[j]), hi = static_cast<float>(x[j + half]);
           const float lo_cos = lo * c[j], hi_sin = hi * s[j];
           const float hi_cos = hi * c[j + half], lo_sin = lo * s[j + half];
@@ -246,4 +263,48 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     });
   });
   return q;
+}
+
+// gate_up: bfloat16 [tokens, 2 * intermediate] (rows contiguous), the fused gate/up
+// projection. Returns bfloat16 [tokens, intermediate] = silu(gate) * up, computed in
+// float32 and rounded once. The bfloat16 fast path took two torch calls a layer for
+// this (silu, then an in-place multiply, each rounding to bfloat16): 1.5-2 ms of a
+// 64-row SmolLM2 step. float32 models keep torch's silu, whose exp this does not
+// reproduce to the bit.
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kBFloat16 &&
+                  gate_up.dim() == 2 && gate_up.stride(1) == 1,
+              "gate_up must be a bfloat16 CPU tensor [rows, width] with contiguous rows");
+  TORCH_CHECK(intermediate > 0 && gate_up.size(1) == 2 * intermediate,
+              "gate_up must be [rows, 2 * intermediate]");
+  const int64_t rows = gate_up.size(0), stride = gate_up.stride(0);
+  auto out = at::empty({rows, intermediate}, gate_up.options());
+  const c10::BFloat16* src = gate_up.data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const c10::BFloat16* gate = src + i * stride;
+      const c10::BFloat16* up = gate + intermediate;
+      c10::BFloat16* y = dst + i * intermediate;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      // silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|) <= 1 so that exp
+      // never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+      const vfloat one = vset1(1.f);
+      for (; j + kWidth <= intermediate; j += kWidth) {
+        const vfloat g = vload_bf16(gate + j);
+        const vfloat e = vexp(vneg_abs(g));
+        const __mmask16 negative = _mm512_cmp_ps_mask(g, vzero(), _CMP_LT_OQ);
+        const vfloat numerator = _mm512_mask_mov_ps(one, negative, e);
+        const vfloat silu = _mm512_div_ps(vmul(g, numerator), vadd(one, e));
+        vstore_bf16(y + j, vmul(silu, vload_bf16(up + j)));
+      }
+#endif
+      for (; j < intermediate; ++j) {
+        const float g = static_cast<float>(gate[j]);
+        y[j] = static_cast<c10::BFloat16>(g / (1.f + std::exp(-g)) * static_cast<float>(up[j]));
+      }
+    }
+  });
+  return out;
 }
