@@ -24,7 +24,8 @@ ops, no hooks on any module, and every layer of the expected shape. In bfloat16
 the residual stream, norms, rotary embedding and logits stay float32 and only
 the GEMMs' inputs and outputs (and the K/V cache) are bfloat16: closer to the
 float32 model than transformers' own bfloat16 modules, which round the residual
-after every add. The executor's model adapter
+after every add; there ``silu(gate) * up`` is one more C++ op (``silu_mul``), in
+float32 and rounded once. The executor's model adapter
 registry decides that once (``cbgen.executor.adapters.FastDecoder``); otherwise
 (and with ``CBGEN_NO_FAST_FORWARD=1``) the model's own ``forward`` runs.
 """
