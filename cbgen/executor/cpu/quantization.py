@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .prepack import LinearMap, plain_linear
+from .prepack import LinearMap, file_backed_ranges, page_out, plain_linear
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,26 @@ def validate_mode(mode: str | None, name: str = "quantization") -> str | None:
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ``(codes int8 [out, in], scales float32 [out])``
     with ``weight ~= codes * scales[:, None]``."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    out_features = weight.shape[0]
+    codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(out_features, dtype=torch.float32, device=weight.device)
+    for rows in _row_chunks(weight):
+        w = weight[rows].detach().float()
+        scales[rows] = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+        codes[rows] = torch.round(w / scales[rows, None]).clamp(-127, 127).to(torch.int8)
     return codes, scales
+
+
+# Output rows quantized at a time: every formula is per row (or per group within a row),
+# so chunks change no result, and they bound the float32 temporaries. Whole, a tied
+# 128,256 x 2,048 LM head made about 3 GB of them, the peak of loading a 1B model.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(weight: torch.Tensor) -> list[slice]:
+    out_features, in_features = weight.shape
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // max(in_features, 1))
+    return [slice(start, min(start + step, out_features)) for start in range(0, out_features, step)]
 
 
 def quantize_int4(
@@ -73,10 +89,19 @@ def quantize_int4(
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"{in_features} input columns are not a multiple of {group_size}")
-    w = weight.detach().float().view(out_features, in_features // group_size, group_size)
-    low, high = w.amin(dim=-1), w.amax(dim=-1)
-    scales = ((high - low) / 15.0).clamp(min=1e-10)
-    codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    groups = in_features // group_size
+    codes = torch.empty(out_features, groups, group_size, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(out_features, groups, dtype=torch.float32, device=weight.device)
+    low = torch.empty(out_features, groups, dtype=torch.float32, device=weight.device)
+    for rows in _row_chunks(weight):
+        w = weight[rows].detach().float().view(-1, groups, group_size)
+        low[rows] = w.amin(dim=-1)
+        scales[rows] = ((w.amax(dim=-1) - low[rows]) / 15.0).clamp(min=1e-10)
+        codes[rows] = (
+            torch.round((w - low[rows, :, None]) / scales[rows, :, None])
+            .clamp(0, 15)
+            .to(torch.uint8)
+        )
     return codes.view(out_features, in_features), scales, low
 
 
@@ -379,6 +404,12 @@ def quantize_model(
     head = _output_embeddings(model)
     replaced = 0
     skipped: list[str] = []
+    # Weights loaded from safetensors are views of the mapped file: each one read to make
+    # its codes stays in the resident set until the mapping goes, so a 1B model's whole
+    # bf16 file (2.5 GB) sat beside its codes at the peak. Dropping each map's pages once
+    # it is quantized keeps the peak near the codes (``page_out``: unmodified file pages
+    # only; a later read maps them again from the page cache).
+    file_maps = file_backed_ranges()
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or child.weight.device.type != "cpu":
@@ -392,6 +423,7 @@ def quantize_model(
                 continue
             setattr(parent, name, QuantizedLinear.from_linear(child, child_mode, group_size))
             replaced += 1
+            page_out(child.weight.detach(), file_maps)
     if skipped:
         logger.info("cbgen: %d linear maps kept unquantized (shape): %s", len(skipped), skipped)
     config = getattr(model, "config", None)
