@@ -366,13 +366,7 @@ void attend_bf16(const c10::BFloat16* q, int64_t group, const c10::BFloat16* k_h
   if (cap > 0.f) {
     for (int64_t i = 0; i < group * span; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
   }
-  float inv[64];
-  std::vector<float> inv_heap;
-  float* invs = inv;
-  if (group > 64) {
-    inv_heap.resize(group);
-    invs = inv_heap.data();
-  }
+  float* invs = acc.data() + group * dim;  // acc has room for one more float a head
   for (int64_t g = 0; g < group; ++g) {
     invs[g] = sinks == nullptr ? 1.f / exp_and_sum(scores.data() + g * span, span)
                                : 1.f / exp_and_sum(scores.data() + g * span, span, sinks[g]);
@@ -390,17 +384,12 @@ void attend_bf16(const c10::BFloat16* q, int64_t group, const c10::BFloat16* k_h
          acc.data() + g0 * dim);
   }
 
-  // Scale by 1/sum, put even and odd columns back in order, round to bfloat16.
-  __m512i lower = _mm512_setzero_si512(), upper = _mm512_setzero_si512();
-  {
-    alignas(64) int32_t lo[16], hi[16];
-    for (int j = 0; j < 16; ++j) {
-      lo[j] = j / 2 + (j % 2 ? 16 : 0);
-      hi[j] = 8 + j / 2 + (j % 2 ? 16 : 0);
-    }
-    lower = _mm512_load_si512(lo);
-    upper = _mm512_load_si512(hi);
-  }
+  // Scale by 1/sum, put even and odd columns back in order (lane j of the output takes
+  // even[j / 2] or, for odd j, odd[j / 2]: index 16 + j / 2), round to bfloat16.
+  const __m512i lower =
+      _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i upper =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int64_t g = 0; g < group; ++g) {
     const vfloat s = vset1(invs[g]);
     for (int c = 0; c < DC2; ++c) {
