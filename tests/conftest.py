@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import random
 import threading
@@ -343,3 +344,13 @@ def expected_token_ids(model_dir, rows, max_new_tokens):
         model, [r.prompt_token_ids for r in requests], [r.params for r in requests]
     )
     return [o.token_ids for o in outputs]
+
+
+def file_mapped(tmp_path, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes written to a file and mapped back privately, as safetensors maps
+    its weights: a tensor whose pages are the file's until written to."""
+    path = tmp_path / "weight.bin"
+    path.write_bytes(tensor.numpy().tobytes())
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mapping, dtype=tensor.dtype).view(tensor.shape)

@@ -12,22 +12,32 @@ kernels = decode_kernel()
 pytestmark = pytest.mark.skipif(kernels is None, reason="native kernels could not be built")
 
 
+def reference_rope(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb on a fused q/k/v: the rotated queries
+    ``[tokens, heads, dim]`` and keys ``[tokens, kv_heads, dim]``."""
+    tokens, dim = qkv.shape[0], cos.shape[-1]
+    q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q, k = apply_rotary_pos_emb(
+        q, k.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)
+    )
+    return q[0].transpose(0, 1), k[0].transpose(0, 1)
+
+
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (37, 4, 2, 16)])
 def test_rope_qkv_is_bitwise_apply_rotary_pos_emb(tokens, heads, kv_heads, dim):
     torch.manual_seed(0)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 4
     cos, sin = torch.randn(tokens, dim), torch.randn(tokens, dim)
-    q_ref = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
-    k_ref = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    q_ref, k_ref = apply_rotary_pos_emb(
-        q_ref, k_ref.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)
-    )
+    q_ref, k_ref = reference_rope(qkv, cos, sin, heads, kv_heads)
     fused = qkv.clone()
     q = kernels.rope_qkv(fused, cos, sin, heads, kv_heads)
     assert q.shape == (tokens, heads, dim) and q.is_contiguous()
-    assert torch.equal(q, q_ref[0].transpose(0, 1))
+    assert torch.equal(q, q_ref)
     k = fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    assert torch.equal(k, k_ref[0].transpose(0, 1))  # keys rotated in place
+    assert torch.equal(k, k_ref)  # keys rotated in place
     v_cols = slice((heads + kv_heads) * dim, None)
     assert torch.equal(fused[:, v_cols], qkv[:, v_cols])  # values untouched
 
@@ -161,17 +171,12 @@ def test_rope_qkv_bfloat16_vectors_round_as_apply_rotary_pos_emb(dim):
     tokens, heads, kv_heads = 33, 9, 3  # 33 rows: two threads' shares and one more
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 4).to(torch.bfloat16)
     cos, sin = torch.randn(tokens, dim), torch.randn(tokens, dim)
-    wide = qkv.float()
-    q_ref = wide[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
-    k_ref = wide[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    q_ref, k_ref = apply_rotary_pos_emb(
-        q_ref, k_ref.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0)
-    )
+    q_ref, k_ref = reference_rope(qkv.float(), cos, sin, heads, kv_heads)
     fused = qkv.clone()
     q = kernels.rope_qkv(fused, cos, sin, heads, kv_heads)
-    assert torch.equal(q, q_ref[0].transpose(0, 1).to(torch.bfloat16))
+    assert torch.equal(q, q_ref.to(torch.bfloat16))
     k = fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    assert torch.equal(k, k_ref[0].transpose(0, 1).to(torch.bfloat16))
+    assert torch.equal(k, k_ref.to(torch.bfloat16))
     values = slice((heads + kv_heads) * dim, None)
     assert torch.equal(fused[:, values], qkv[:, values])
 

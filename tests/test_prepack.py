@@ -8,7 +8,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model, random_prompts, reference_greedy, run_until_done
+from conftest import (
+    file_mapped,
+    make_tiny_model,
+    random_prompts,
+    reference_greedy,
+    run_until_done,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -211,11 +217,7 @@ def _resident_bytes() -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 def test_page_out_hands_file_pages_back_and_keeps_the_values(tmp_path):
     weight = torch.randn(4096, 4096)  # 64 MiB
-    path = tmp_path / "weight.bin"
-    path.write_bytes(weight.numpy().tobytes())
-    with open(path, "rb") as file:
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # like safetensors
-    mapped = torch.frombuffer(mapping, dtype=torch.float32).view(4096, 4096)
+    mapped = file_mapped(tmp_path, weight)
     expected = float(weight.sum())
     assert float(mapped.sum()) == expected  # every page is resident now
     before = _resident_bytes()

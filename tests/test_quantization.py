@@ -4,13 +4,12 @@ quantized models through the engine's paths."""
 
 from __future__ import annotations
 
-import mmap
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fast_path_errors, make_tiny_model, random_prompts
+from conftest import fast_path_errors, file_mapped, make_tiny_model, random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -438,11 +437,7 @@ def test_quantizing_a_file_backed_model_hands_its_weight_pages_back(tmp_path):
     quantized its pages leave the resident set, so a whole file is never resident beside
     the codes (a 1B model's load peaked at 4.3 GB with them, 2.0 GB without)."""
     weight = torch.randn(4096, 4096)  # 64 MiB
-    path = tmp_path / "weight.bin"
-    path.write_bytes(weight.numpy().tobytes())
-    with open(path, "rb") as file:
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # like safetensors
-    mapped = torch.frombuffer(mapping, dtype=torch.float32).view(4096, 4096)
+    mapped = file_mapped(tmp_path, weight)
     model = nn.Sequential(nn.Linear(4096, 4096, bias=False))
     model[0].weight = nn.Parameter(mapped, requires_grad=False)
     assert float(mapped.sum()) == float(weight.sum())  # every page is resident now

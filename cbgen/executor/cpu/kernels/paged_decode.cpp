@@ -184,6 +184,18 @@ inline vfloat sum_lanes(vfloat* a) {
 #endif
 }
 
+// out[t] = scale * (sum of the lanes of the vector in acc[tree_slot(t)]) for t < n.
+inline void store_scores(vfloat* acc, int64_t n, float scale, float* out) {
+  vfloat s = vmul(sum_lanes(acc), vset1(scale));
+  if (n == kWidth) {
+    vstore(out, s);
+  } else {
+    float tmp[kWidth];
+    vstore(tmp, s);
+    for (int64_t t = 0; t < n; ++t) out[t] = tmp[t];
+  }
+}
+
 // Scores of up to kWidth consecutive cached rows against one query head:
 // out[t] = scale * q . k_t for t < n. The loop always runs kWidth rows (rows past
 // n re-read row 0 and are not stored) so that it unrolls and the per-row
@@ -205,14 +217,7 @@ inline void score_rows(const float* q, const T* k, int64_t n, int64_t head_dim, 
     if (c < chunks) a = vfma(vload(q + c * kWidth), vload_as_float(row + c * kWidth), a);
     acc[tree_slot(t)] = vadd(a, b);
   }
-  vfloat s = vmul(sum_lanes(acc), vset1(scale));
-  if (n == kWidth) {
-    vstore(out, s);
-  } else {
-    float tmp[kWidth];
-    vstore(tmp, s);
-    for (int64_t t = 0; t < n; ++t) out[t] = tmp[t];
-  }
+  store_scores(acc, n, scale, out);
 }
 
 // acc[d] += sum_t p[t] * v_t[d] over n rows, one kWidth slice of acc at a time so
@@ -288,14 +293,7 @@ inline void score_rows_bf16(const __m512bh* q, const c10::BFloat16* k, int64_t n
       a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(row + c * 32));
     acc[tree_slot(t)] = a;
   }
-  vfloat s = vmul(sum_lanes(acc), vset1(scale));
-  if (n == kWidth) {
-    vstore(out, s);
-  } else {
-    float tmp[kWidth];
-    vstore(tmp, s);
-    for (int64_t t = 0; t < n; ++t) out[t] = tmp[t];
-  }
+  store_scores(acc, n, scale, out);
 }
 
 // acc[g] += sum_i p[g][i] * v_(first+i) for G heads, each head's sums as 2 * DC2
