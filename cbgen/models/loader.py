@@ -131,16 +131,12 @@ def _copy_out(mapped: torch.Tensor, file_maps: list[tuple[int, int]]) -> torch.T
     """A copy of ``mapped`` in ordinary memory, made a slice of rows at a time with each
     slice's file pages dropped once copied (``page_out``), so the embedding (0.5 GB of a
     1B model's file) is never resident twice."""
-    from ..executor.cpu.prepack import page_out
+    from ..executor.cpu.prepack import page_out, row_slices
 
-    if mapped.dim() == 0 or not mapped.is_contiguous() or mapped.numel() < (1 << 22):
-        copy = mapped.clone()
-        page_out(mapped, file_maps)
-        return copy
+    if mapped.dim() == 0 or not mapped.is_contiguous():  # not file pages page_out can drop
+        return mapped.clone()
     copy = torch.empty_like(mapped)
-    step = max(1, (1 << 22) // max(1, mapped[0].numel()))
-    for start in range(0, mapped.shape[0], step):
-        rows = slice(start, start + step)
+    for rows in row_slices(mapped, 1 << 22):
         copy[rows] = mapped[rows]
         page_out(mapped[rows], file_maps)
     return copy

@@ -404,6 +404,13 @@ def file_backed_ranges() -> list[tuple[int, int]]:
     return [(mapping.start, mapping.end) for mapping in file_mappings()]
 
 
+def row_slices(tensor: torch.Tensor, max_elements: int) -> list[slice]:
+    """Slices of ``tensor``'s first dimension holding at most ``max_elements`` each (at
+    least one row): for work on a large weight a bounded piece at a time."""
+    step = max(1, max_elements // max(1, tensor[0].numel())) if tensor.shape[0] else 1
+    return [slice(start, start + step) for start in range(0, tensor.shape[0], step)]
+
+
 def page_out(tensor: torch.Tensor, file_maps: list[tuple[int, int]]) -> int:
     """Drop the resident pages under ``tensor`` from this process if they are unmodified
     pages of a memory-mapped file; return the bytes released.

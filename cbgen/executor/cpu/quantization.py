@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .prepack import LinearMap, file_backed_ranges, page_out, plain_linear
+from .prepack import LinearMap, file_backed_ranges, page_out, plain_linear, row_slices
 
 logger = logging.getLogger(__name__)
 
@@ -68,16 +68,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-# Output rows quantized at a time: every formula is per row (or per group within a row),
-# so chunks change no result, and they bound the float32 temporaries. Whole, a tied
-# 128,256 x 2,048 LM head made about 3 GB of them, the peak of loading a 1B model.
+# Weight elements quantized at a time, in whole output rows: every formula is per row
+# (or per group within a row), so chunks change no result, and they bound the float32
+# temporaries. Whole, a tied 128,256 x 2,048 LM head made 2-3 GB of them, the peak of
+# loading a 1B model.
 QUANTIZE_CHUNK_ELEMENTS = 1 << 24
 
 
 def _row_chunks(weight: torch.Tensor) -> list[slice]:
-    out_features, in_features = weight.shape
-    step = max(1, QUANTIZE_CHUNK_ELEMENTS // max(in_features, 1))
-    return [slice(start, min(start + step, out_features)) for start in range(0, out_features, step)]
+    return row_slices(weight, QUANTIZE_CHUNK_ELEMENTS)
 
 
 def quantize_int4(
