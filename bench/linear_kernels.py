@@ -4,8 +4,9 @@
 
 For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
 cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 4 rows), weight-only int8 (with
-cbgen's few-row kernel, and ``int8-torch``: torch's kernel at every row count) and
-4-bit, 4-bit with int8 activations (``w4a8``)) it builds the model's layer maps with q/k/v and
+cbgen's few-row kernel, and ``int8-torch``: torch's kernel at every row count), 4-bit
+(cbgen's bfloat16 kernel, and ``int4-torch``: torch's) and 4-bit with int8 activations
+(``w4a8``)) it builds the model's layer maps with q/k/v and
 gate/up fused as the fast decoder runs them, one set of distinct weights per layer
 (so one row reads its weights from memory, as a real decode step does, instead of
 from a cache a repeated small matrix would stay in), plus the LM head, and reports
@@ -29,7 +30,7 @@ from transformers import AutoConfig
 from cbgen.bench.workloads import resolve_model
 from cbgen.executor.cpu.kernels import decode_kernel
 from cbgen.executor.cpu.prepack import PackedMap
-from cbgen.executor.cpu.quantization import QuantizedLinear
+from cbgen.executor.cpu.quantization import Int4Map, QuantizedLinear, _unpack_nibbles
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -69,6 +70,15 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
     linear_map = module.kernel()
     if kind == "int8-torch":  # torch's own int8 kernel at every row count
         linear_map.rows_limit = 0
+    if kind == "int4-torch":  # torch's own 4-bit kernel instead of cbgen's
+        linear_map = Int4Map(
+            _unpack_nibbles(module.codes),
+            module.scales,
+            module.minima,
+            32,
+            None,
+            use_native_kernels=False,
+        )
     tensors = [t for t in vars(linear_map).values() if isinstance(t, torch.Tensor)]
     return linear_map, sum(t.numel() * t.element_size() for t in tensors), torch.bfloat16
 

@@ -39,7 +39,7 @@ def _reference(module: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     127) and the minima by the input's exact group sums."""
     bias = module.bias.float() if module.bias is not None else None
     rows = x.to(torch.bfloat16).float().reshape(-1, x.shape[-1])
-    if getattr(module.kernel(), "vnni", None) is None:
+    if getattr(module.kernel(), "path", None) != "vnni":
         return F.linear(rows, dequantize(module), bias).view(*x.shape[:-1], -1)
     # The kernel keeps scales and minima in bfloat16.
     scales, minima = (t.to(torch.bfloat16).float() for t in (module.scales, module.minima))
@@ -315,10 +315,10 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     linear = nn.Linear(96, 48, bias=True)
     w4a8 = QuantizedLinear.from_linear(linear, "w4a8")
     int4 = QuantizedLinear.from_linear(linear, "int4")
-    assert torch.equal(w4a8.codes, int4.codes) and int4.kernel().vnni is None
+    assert torch.equal(w4a8.codes, int4.codes) and int4.kernel().path != "vnni"
     if not decode_kernel().int4_vnni_available():
         pytest.skip("this CPU has no AVX512-VNNI: w4a8 runs the int4 kernel")
-    assert w4a8.kernel().vnni is not None
+    assert w4a8.kernel().path == "vnni"
     x = torch.randn(5, 96)
     x[0] = 0.0  # a row of zeros: a zero scale, no division by it
     x[2, 32:64] = 1e-39  # a group of denormals: its inverse scale would overflow
@@ -330,6 +330,45 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     assert _relative_error(got, want) < 2**-7  # the output's and the bias add's bf16 roundings
     assert torch.allclose(got[0], linear.bias.to(torch.bfloat16).float())
     assert _relative_error(plain, want) > _relative_error(got, want)
+
+
+@needs_kernel
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 11),
+    blocks=st.integers(1, 5),
+    groups=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, seed):
+    """int4's own kernel (codes as bfloat16 128 + c, ``vdpbf16ps``, the 128 taken back out
+    with each group's activation sum) against the float64 product of the bfloat16 input
+    and the weight its bfloat16 scales and minima stand for: within the output's one
+    bfloat16 rounding plus float32 sums of terms up to 128 times the codes'. Row counts
+    past 4 (the kernel's row tile), outlier and all-zero groups, negative minima."""
+    if not decode_kernel().int4_bf16_available():
+        pytest.skip("built without AVX512-BF16: int4 runs torch's kernel")
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = 16 * blocks, 32 * groups
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    codes = codes.to(torch.uint8)
+    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
+    minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
+    x = torch.randn(rows, in_features, generator=generator)
+    x[:, :32] *= 100  # an outlier group
+    x[0] = 0.0
+    x = x.to(torch.bfloat16)
+    packed, scales_minima = decode_kernel().int4_vnni_pack(codes, scales, minima)
+    got = decode_kernel().int4_bf16_matmul(x, packed, scales_minima).double()
+    s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
+    weight = (codes.double().view(out_features, groups, 32) * s + m).view(out_features, -1)
+    want = x.double() @ weight.t()
+    # The float32 sums add terms up to |x| (128 + code) scale and |x| |minimum|.
+    per_column = (128 + 16) * s + m.abs()
+    terms = x.double().abs() @ per_column.expand(-1, -1, 32).reshape(out_features, -1).t()
+    bound = 2**-8 * want.abs() + 2**-20 * terms
+    assert bool(((got - want).abs() <= bound).all())
+    assert bool((got[0] == 0).all())
 
 
 @needs_kernel

@@ -1,31 +1,28 @@
-"""int8 and 4-bit linear maps on CPU: weight-only through torch's quantized-matmul kernels,
-and 4-bit weights with int8 activations through cbgen's own VNNI kernel.
+"""int8 and 4-bit linear maps on CPU: torch's quantized-matmul kernels, and cbgen's own
+where torch's read the weights too slowly.
 
 A single request reads every weight once per token, so its speed is bytes of weights
 over memory bandwidth: 540 MB a token for SmolLM2 in float32, 270 MB in bfloat16,
 135 MB in int8 and about 75 MB in 4-bit. This module swaps a model's ``nn.Linear``
 modules for ``QuantizedLinear`` ones holding int8 or packed 4-bit codes and their
-scales, and runs them with the kernels torch ships for exactly this (the ones torchao's
-CPU path calls too, so no extra dependency and no hand-written GEMM):
+scales:
 
 * ``"int8"``: symmetric, one scale per output channel;
   ``torch._weight_int8pack_mm`` (bfloat16 activations, int8 weights widened in
-  registers).
+  registers), and cbgen's ``int8_rows_matmul`` for up to 4 rows.
 * ``"int4"``: asymmetric, a scale and a minimum per group of ``group_size`` (32)
   input columns: the layout of GGUF's Q4_1 blocks, so quantizing the bundled model's
   dequantized Q4_1 weights finds the file's own grid back (up to the bfloat16 rounding
-  of the scales); ``torch._weight_int4pack_mm_for_cpu`` after
-  ``torch._convert_weight_to_int4pack_for_cpu``.
-
-Activations enter both kernels in bfloat16 (the kernels' float32 paths are 30-100x
-slower) and leave in the caller's dtype. Measured on the 2-core machine at one row,
-all of SmolLM2's layer maps with distinct weights: see ``bench/linear_kernels.py``.
-
+  of the scales). bfloat16 activations; cbgen's ``int4_bf16_matmul`` (AVX512-BF16,
+  groups of 32), else ``torch._weight_int4pack_mm_for_cpu``.
 * ``"w4a8"``: ``"int4"``'s codes, with each row's activations quantized to int8 per
   group of 32 (dynamic, one scale a group) and multiplied by ``vpdpbusd``
-  (AVX512-VNNI) in ``kernels/int4_matmul.cpp``: llama.cpp's Q4 arithmetic. Faster
-  than ``"int4"`` at every row count measured, for a small quality cost (the
-  quality table in ``docs/precision-and-speed.md``).
+  (AVX512-VNNI) in ``kernels/int4_matmul.cpp``: llama.cpp's Q4 arithmetic, for a
+  small quality cost (the quality table in ``docs/precision-and-speed.md``).
+
+Activations enter the kernels in bfloat16 (torch's float32 paths are 30-100x slower)
+and leave in the caller's dtype. Measured on the 2-core machine, all of a model's
+layer maps with distinct weights: ``bench/linear_kernels.py``.
 """
 
 from __future__ import annotations
@@ -289,17 +286,27 @@ class Int8Map(_QuantizedMap):
 class Int4Map(_QuantizedMap):
     """4-bit weights, a scale and a minimum per group of ``group_size`` input columns.
 
-    ``int4`` (bfloat16 activations): ``torch._weight_int4pack_mm_for_cpu`` on codes packed
-    by torch for it, with ``[groups, out, 2]`` scales and offsets (torch's formula is
-    ``(q - 8) * scale + offset``, so the offset is ``minimum + 8 * scale``). It widens
-    every code to float, about ten vector instructions per 16 bytes of codes, so on 2
-    cores it reads weights at ~23 GB/s where llama.cpp's Q4 kernels read ~33.
+    Three kernels, by ``path``:
 
-    ``w4a8`` (``int8_activations``): cbgen's ``int4_vnni_matmul`` quantizes each row's
-    activations to int8 per group of 32, as llama.cpp's Q4 kernels do, and
-    ``vpdpbusd`` multiplies 64 codes by 64 activations in one instruction. It needs
-    cbgen's native kernels built with AVX512-VNNI and groups of 32; without them the
-    map runs the ``int4`` kernel (logged once). Figures: ``bench/linear_kernels.py``.
+    * ``"bf16"`` (``int4``, where cbgen's kernels have AVX512-BF16 and the groups are of
+      32): ``int4_bf16_matmul`` turns each code into an exact bfloat16 with one unpack
+      and multiplies it by the bfloat16 activations with ``vdpbf16ps``, float32 sums.
+      No activation rounding, so int4's quality; it reads weights near bandwidth where
+      torch's kernel did not.
+    * ``"vnni"`` (``w4a8``, ``int8_activations``, where they have AVX512-VNNI):
+      ``int4_vnni_matmul`` quantizes each row's activations to int8 per group of 32, as
+      llama.cpp's Q4 kernels do, and ``vpdpbusd`` multiplies 64 codes by 64 activations
+      in one instruction.
+    * ``"torch"`` (anything else, or ``use_native_kernels=False``):
+      ``torch._weight_int4pack_mm_for_cpu`` on codes packed by torch for it, with
+      ``[groups, out, 2]`` scales and offsets (torch's formula is ``(q - 8) * scale +
+      offset``, so the offset is ``minimum + 8 * scale``). It widens every code to
+      float, about ten vector instructions per 16 bytes of codes, so on 2 cores it reads
+      weights at ~23 GB/s where llama.cpp's Q4 kernels read ~33. A w4a8 map that lands
+      here says so once in the log.
+
+    The two native kernels share one layout (``int4_vnni_pack``). Figures:
+    ``bench/linear_kernels.py --kinds int4-torch,int4,w4a8``.
     """
 
     def __init__(
@@ -310,12 +317,14 @@ class Int4Map(_QuantizedMap):
         group_size: int,
         bias: torch.Tensor | None,
         int8_activations: bool = False,
+        use_native_kernels: bool = True,
     ) -> None:
         super().__init__(int(codes.shape[0]), bias)
         self.group_size = group_size
-        self.vnni = _vnni_kernel(codes, group_size) if int8_activations else None
-        if self.vnni is not None:
-            self.packed, self.scales_minima = self.vnni.int4_vnni_pack(
+        self.native = _native_4bit(codes, group_size) if use_native_kernels else None
+        self.path = _four_bit_path(self.native, int8_activations)
+        if self.native is not None and self.path != "torch":
+            self.packed, self.scales_minima = self.native.int4_vnni_pack(
                 codes, scales.float(), minima.float()
             )
             return
@@ -326,8 +335,10 @@ class Int4Map(_QuantizedMap):
         )
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni is not None:
-            return self.vnni.int4_vnni_matmul(x, self.packed, self.scales_minima)
+        if self.path == "bf16":
+            return self.native.int4_bf16_matmul(x, self.packed, self.scales_minima)
+        if self.path == "vnni":
+            return self.native.int4_vnni_matmul(x, self.packed, self.scales_minima)
         return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_offsets
         )
@@ -340,20 +351,27 @@ def _native_kernel() -> Any:
     return decode_kernel()
 
 
-def _vnni_kernel(codes: torch.Tensor, group_size: int) -> Any:
-    """The native module when it has the VNNI 4-bit kernel and ``codes`` fit its layout."""
-    global _vnni_warned
+def _native_4bit(codes: torch.Tensor, group_size: int) -> Any:
+    """The native module when ``codes`` fit its 4-bit layout (groups of 32, outputs in
+    blocks of 16, on the CPU), else None."""
     out_features, in_features = codes.shape
     if group_size != 32 or out_features % 16 or in_features % 32 or codes.device.type != "cpu":
         return None
-    kernel = _native_kernel()
-    if kernel is not None and kernel.int4_vnni_available():
-        return kernel
-    if not _vnni_warned:
+    return _native_kernel()
+
+
+def _four_bit_path(native: Any, int8_activations: bool) -> str:
+    """Which kernel a 4-bit map runs: ``"vnni"`` (w4a8), ``"bf16"`` (int4) or ``"torch"``."""
+    global _vnni_warned
+    if native is not None and int8_activations and native.int4_vnni_available():
+        return "vnni"
+    if int8_activations and not _vnni_warned:
         _vnni_warned = True
-        why = "native kernels unavailable" if kernel is None else "no AVX512-VNNI"
+        why = "its layout or native kernels unavailable" if native is None else "no AVX512-VNNI"
         logger.warning("cbgen: w4a8 runs the int4 kernel, bfloat16 activations (%s)", why)
-    return None
+    if native is not None and native.int4_bf16_available():
+        return "bf16"
+    return "torch"
 
 
 _vnni_warned = False

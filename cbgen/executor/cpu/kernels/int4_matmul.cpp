@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -184,5 +185,204 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
       }
     }
   });
+  return out;
+}
+
+// The same 4-bit weights times bfloat16 activations with AVX512-BF16 (the "int4" mode):
+// no activation rounding, so it keeps int4's quality, and it reads the codes in the
+// layout above.
+//
+// `vdpbf16ps` multiplies bfloat16 pairs, so each code has to become a bfloat16 first.
+// Interleaving a code byte c (0..15) with the byte 0x43 makes the 16-bit word 0x4300 | c,
+// which is the bfloat16 of 128 + c: one unpack turns 8 codes of a row into 8 exact
+// bfloat16 values, with no conversion. The 128 comes back out per group with the
+// activations' sum: sum_k x_k (128 + c_k) = sum_k x_k c_k + 128 sum_k x_k, so
+//
+//   y[m, n] = sum_g scale[n, g] * D[m, n, g] + (minimum[n, g] - 128 scale[n, g]) * S[m, g]
+//
+// with D the group's dot product of x against 128 + code and S the group's activation
+// sum, both in float32. The unpack works within 128-bit lanes: from one 64-byte quad it
+// gives two registers, "A" with rows 4j and 4j + 1 of the block and "B" with rows 4j + 2
+// and 4j + 3 (j = 0..3), each row in two 32-bit lanes (codes 4p, 4p + 1 and 4p + 2,
+// 4p + 3), so the activations for a quad are its 4 values repeated: one 64-bit broadcast.
+// Per group the scales are spread to that lane order by one permute each; the two lanes
+// of a row are added once, at the end.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define CBGEN_INT4_BF16 1
+#else
+#define CBGEN_INT4_BF16 0
+#endif
+
+bool int4_bf16_available() { return CBGEN_INT4_BF16 != 0; }
+
+#if CBGEN_INT4_BF16
+namespace {
+
+// 16-bit word indices into a group's 32 scale/minimum words (scales 0..15, minima 16..31)
+// that put row (4j + t / 2) [A] or (4j + 2 + t / 2) [B] in the high half of 32-bit lane
+// 4j + t; the low halves are masked to zero, so each lane is that row's float32 value.
+struct LaneOrder {
+  alignas(64) uint16_t scale_a[32], scale_b[32], minimum_a[32], minimum_b[32];
+  LaneOrder() {
+    for (int lane = 0; lane < 16; ++lane) {
+      const int j = lane / 4, t = lane % 4;
+      for (int half = 0; half < 2; ++half) {
+        scale_a[2 * lane + half] = static_cast<uint16_t>(4 * j + t / 2);
+        scale_b[2 * lane + half] = static_cast<uint16_t>(4 * j + 2 + t / 2);
+        minimum_a[2 * lane + half] = static_cast<uint16_t>(16 + 4 * j + t / 2);
+        minimum_b[2 * lane + half] = static_cast<uint16_t>(16 + 4 * j + 2 + t / 2);
+      }
+    }
+  }
+};
+const LaneOrder kLaneOrder;
+
+// High words of every lane; high words of lanes 4j and 4j + 2 only (one lane per row, for
+// the term added once per row).
+constexpr __mmask32 kHighWords = 0xAAAAAAAAu;
+constexpr __mmask32 kHighWordsOnePerRow = 0x22222222u;
+
+// R rows of activations (x, row stride k; S their group sums, row stride groups) against
+// one block of 16 output rows; out gets R x 16 float32.
+template <int R>
+void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, const uint16_t* x,
+                     int64_t k, const float* sums, float* out) {
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i bias = _mm512_set1_epi8(0x43);
+  const __m512i order_sa = _mm512_load_si512(kLaneOrder.scale_a);
+  const __m512i order_sb = _mm512_load_si512(kLaneOrder.scale_b);
+  const __m512i order_ma = _mm512_load_si512(kLaneOrder.minimum_a);
+  const __m512i order_mb = _mm512_load_si512(kLaneOrder.minimum_b);
+  // A few rows keep four chains of vdpbf16ps a row, so consecutive ones do not wait on
+  // each other; more rows are chains enough with two, and the fewer registers leave room
+  // for the rows' totals and one quad's codes without spilling.
+  constexpr int kChains = R <= 2 ? 2 : 1;
+  __m512 total_a[R], total_b[R];
+  for (int r = 0; r < R; ++r) total_a[r] = total_b[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = wb + g * 256;
+    __m512 dot_a[R][kChains], dot_b[R][kChains];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < kChains; ++c) dot_a[r][c] = dot_b[r][c] = _mm512_setzero_ps();
+    }
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(wg + p * 64);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512bh a_lo = (__m512bh)_mm512_unpacklo_epi8(lo, bias);
+      const __m512bh b_lo = (__m512bh)_mm512_unpackhi_epi8(lo, bias);
+      const __m512bh a_hi = (__m512bh)_mm512_unpacklo_epi8(hi, bias);
+      const __m512bh b_hi = (__m512bh)_mm512_unpackhi_epi8(hi, bias);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xg = x + r * k + g * 32;
+        int64_t quad_lo, quad_hi;
+        std::memcpy(&quad_lo, xg + 4 * p, 8);
+        std::memcpy(&quad_hi, xg + 16 + 4 * p, 8);
+        const __m512bh x_lo = (__m512bh)_mm512_set1_epi64(quad_lo);
+        const __m512bh x_hi = (__m512bh)_mm512_set1_epi64(quad_hi);
+        dot_a[r][0] = _mm512_dpbf16_ps(dot_a[r][0], a_lo, x_lo);
+        dot_b[r][0] = _mm512_dpbf16_ps(dot_b[r][0], b_lo, x_lo);
+        dot_a[r][kChains - 1] = _mm512_dpbf16_ps(dot_a[r][kChains - 1], a_hi, x_hi);
+        dot_b[r][kChains - 1] = _mm512_dpbf16_ps(dot_b[r][kChains - 1], b_hi, x_hi);
+      }
+    }
+    const __m512i both = _mm512_loadu_si512(smb + g * 32);
+    const __m512 scale_a =
+        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWords, order_sa, both));
+    const __m512 scale_b =
+        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWords, order_sb, both));
+    // minimum - 128 scale, in one lane per row.
+    const __m512 offset_a = _mm512_fnmadd_ps(
+        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_sa, both)),
+        _mm512_set1_ps(128.f),
+        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_ma, both)));
+    const __m512 offset_b = _mm512_fnmadd_ps(
+        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_sb, both)),
+        _mm512_set1_ps(128.f),
+        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_mb, both)));
+    for (int r = 0; r < R; ++r) {
+      __m512 da = dot_a[r][0], db = dot_b[r][0];
+      if (kChains == 2) {
+        da = _mm512_add_ps(da, dot_a[r][kChains - 1]);
+        db = _mm512_add_ps(db, dot_b[r][kChains - 1]);
+      }
+      const __m512 sum = _mm512_set1_ps(sums[r * groups + g]);
+      total_a[r] = _mm512_fmadd_ps(da, scale_a, total_a[r]);
+      total_a[r] = _mm512_fmadd_ps(offset_a, sum, total_a[r]);
+      total_b[r] = _mm512_fmadd_ps(db, scale_b, total_b[r]);
+      total_b[r] = _mm512_fmadd_ps(offset_b, sum, total_b[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float a[16], b[16];
+    _mm512_store_ps(a, total_a[r]);
+    _mm512_store_ps(b, total_b[r]);
+    for (int j = 0; j < 4; ++j) {
+      out[r * 16 + 4 * j] = a[4 * j] + a[4 * j + 1];
+      out[r * 16 + 4 * j + 1] = a[4 * j + 2] + a[4 * j + 3];
+      out[r * 16 + 4 * j + 2] = b[4 * j] + b[4 * j + 1];
+      out[r * 16 + 4 * j + 3] = b[4 * j + 2] + b[4 * j + 3];
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+// x: bfloat16 [m, k]; packed, scales_minima: int4_vnni_pack's; returns bfloat16 [m, n].
+at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales_minima) {
+  TORCH_CHECK(CBGEN_INT4_BF16, "int4_bf16_matmul: built without AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [m, k]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == 64 &&
+                  packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "packed layout");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(groups * kGroup == k, "int4_bf16_matmul: k does not match the packed weights");
+  TORCH_CHECK(scales_minima.scalar_type() == at::kBFloat16 && scales_minima.is_contiguous() &&
+                  scales_minima.numel() == blocks * groups * 2 * kBlock,
+              "int4_bf16_matmul: scales and minima must be bfloat16 [n / 16, k / 32, 32]");
+  const int64_t n = blocks * kBlock;
+  auto xc = x.contiguous();
+  auto out = at::empty({m, n}, x.options());
+#if CBGEN_INT4_BF16
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<float> sums(m * groups);
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        s += c10::detail::f32_from_bits(xp[row * k + g * kGroup + i]);
+      }
+      sums[row * groups + g] = s;
+    }
+  }
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    float acc[4 * kBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* wb = w + b * groups * 256;
+      const uint16_t* smb = sm + b * groups * 2 * kBlock;
+      for (int64_t row = 0; row < m; row += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - row);
+        const uint16_t* xr = xp + row * k;
+        const float* sr = sums.data() + row * groups;
+        switch (rows) {
+          case 1: int4_bf16_block<1>(wb, smb, groups, xr, k, sr, acc); break;
+          case 2: int4_bf16_block<2>(wb, smb, groups, xr, k, sr, acc); break;
+          case 3: int4_bf16_block<3>(wb, smb, groups, xr, k, sr, acc); break;
+          default: int4_bf16_block<4>(wb, smb, groups, xr, k, sr, acc); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          at::BFloat16* yr = y + (row + r) * n + b * kBlock;
+          for (int64_t c = 0; c < kBlock; ++c) yr[c] = static_cast<at::BFloat16>(acc[r * kBlock + c]);
+        }
+      }
+    }
+  });
+#endif
   return out;
 }
