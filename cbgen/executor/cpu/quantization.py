@@ -321,7 +321,7 @@ class Int4Map(_QuantizedMap):
     ) -> None:
         super().__init__(int(codes.shape[0]), bias)
         self.group_size = group_size
-        self.native = _native_4bit(codes, group_size) if use_native_kernels else None
+        self.native: Any = _native_4bit(codes, group_size) if use_native_kernels else None
         self.path = _four_bit_path(self.native, int8_activations)
         if self.native is not None and self.path != "torch":
             self.packed, self.scales_minima = self.native.int4_vnni_pack(
