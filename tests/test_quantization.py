@@ -341,8 +341,8 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     seed=st.integers(0, 2**16),
 )
 def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, seed):
-    """int4's own kernel (codes as bfloat16 128 + c, ``vdpbf16ps``, the 128 taken back out
-    with each group's activation sum) against the float64 product of the bfloat16 input
+    """int4's own kernel (codes as the bfloat16 2 + c / 64, ``vdpbf16ps``, the 2 and the
+    1/64 taken back out with each group's activation sum) against the float64 product of the bfloat16 input
     and the weight its bfloat16 scales and minima stand for: within the output's one
     bfloat16 rounding plus float32 sums of terms up to 128 times the codes'. Row counts
     past 4 (the kernel's row tile), outlier and all-zero groups, negative minima."""
@@ -358,12 +358,12 @@ def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, seed)
     x[:, :32] *= 100  # an outlier group
     x[0] = 0.0
     x = x.to(torch.bfloat16)
-    packed, scales_minima = decode_kernel().int4_vnni_pack(codes, scales, minima)
+    packed, scales_minima = decode_kernel().int4_bf16_pack(codes, scales, minima)
     got = decode_kernel().int4_bf16_matmul(x, packed, scales_minima).double()
     s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
     weight = (codes.double().view(out_features, groups, 32) * s + m).view(out_features, -1)
     want = x.double() @ weight.t()
-    # The float32 sums add terms up to |x| (128 + code) scale and |x| |minimum|.
+    # The float32 sums add terms up to |x| (2 + code / 64) 64 scale and |x| |minimum|.
     per_column = (128 + 16) * s + m.abs()
     terms = x.double().abs() @ per_column.expand(-1, -1, 32).reshape(out_features, -1).t()
     bound = 2**-8 * want.abs() + 2**-20 * terms

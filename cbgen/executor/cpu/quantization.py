@@ -13,8 +13,8 @@ scales:
 * ``"int4"``: asymmetric, a scale and a minimum per group of ``group_size`` (32)
   input columns: the layout of GGUF's Q4_1 blocks, so quantizing the bundled model's
   dequantized Q4_1 weights finds the file's own grid back (up to the bfloat16 rounding
-  of the scales). bfloat16 activations; cbgen's ``int4_bf16_matmul`` (AVX512-BF16,
-  groups of 32), else ``torch._weight_int4pack_mm_for_cpu``.
+  of the scales). bfloat16 activations; cbgen's ``int4_bf16_matmul`` (AVX512-BF16 and
+  VBMI2, groups of 32), else ``torch._weight_int4pack_mm_for_cpu``.
 * ``"w4a8"``: ``"int4"``'s codes, with each row's activations quantized to int8 per
   group of 32 (dynamic, one scale a group) and multiplied by ``vpdpbusd``
   (AVX512-VNNI) in ``kernels/int4_matmul.cpp``: llama.cpp's Q4 arithmetic, for a
@@ -288,9 +288,10 @@ class Int4Map(_QuantizedMap):
 
     Three kernels, by ``path``:
 
-    * ``"bf16"`` (``int4``, where cbgen's kernels have AVX512-BF16 and the groups are of
-      32): ``int4_bf16_matmul`` turns each code into an exact bfloat16 with one unpack
-      and multiplies it by the bfloat16 activations with ``vdpbf16ps``, float32 sums.
+    * ``"bf16"`` (``int4``, where cbgen's kernels have AVX512-BF16 and VBMI2 and the
+      groups are of 32): ``int4_bf16_matmul`` turns each code into an exact bfloat16
+      with one or two vector ops and multiplies it by the bfloat16 activations with
+      ``vdpbf16ps``, float32 sums.
       No activation rounding, so int4's quality; it reads weights near bandwidth where
       torch's kernel did not.
     * ``"vnni"`` (``w4a8``, ``int8_activations``, where they have AVX512-VNNI):
@@ -305,7 +306,8 @@ class Int4Map(_QuantizedMap):
       weights at ~23 GB/s where llama.cpp's Q4 kernels read ~33. A w4a8 map that lands
       here says so once in the log.
 
-    The two native kernels share one layout (``int4_vnni_pack``). Figures:
+    The native kernels pack the codes each their own way (``int4_bf16_pack``,
+    ``int4_vnni_pack``) beside the same bfloat16 scales and minima. Figures:
     ``bench/linear_kernels.py --kinds int4-torch,int4,w4a8``.
     """
 
@@ -324,9 +326,8 @@ class Int4Map(_QuantizedMap):
         self.native: Any = _native_4bit(codes, group_size) if use_native_kernels else None
         self.path = _four_bit_path(self.native, int8_activations)
         if self.native is not None and self.path != "torch":
-            self.packed, self.scales_minima = self.native.int4_vnni_pack(
-                codes, scales.float(), minima.float()
-            )
+            pack = self.native.int4_bf16_pack if self.path == "bf16" else self.native.int4_vnni_pack
+            self.packed, self.scales_minima = pack(codes, scales.float(), minima.float())
             return
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         offsets = minima + 8 * scales

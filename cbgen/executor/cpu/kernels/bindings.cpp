@@ -21,6 +21,8 @@ std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor
 at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
 bool int4_bf16_available();
+std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
+                                       const at::Tensor& minima);
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
 int64_t int8_rows_limit();
@@ -53,9 +55,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 [m, k] x 4-bit weights, int8 activations per group of 32 (CPU)", py::arg("x"),
         py::arg("packed"), py::arg("scales_minima"));
   m.def("int4_bf16_available", &int4_bf16_available,
-        "whether int4_bf16_matmul was compiled with AVX512-BF16");
+        "whether int4_bf16_matmul was compiled with AVX512-BF16 and VBMI2");
+  m.def("int4_bf16_pack", &int4_bf16_pack, "4-bit codes, scales, minima to int4_bf16_matmul's layout",
+        py::arg("codes"), py::arg("scales"), py::arg("minima"));
   m.def("int4_bf16_matmul", &int4_bf16_matmul,
-        "bfloat16 [m, k] x 4-bit weights in int4_vnni_pack's layout, bfloat16 products (CPU)",
+        "bfloat16 [m, k] x 4-bit weights, bfloat16 products, float32 sums (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("scales_minima"));
   m.def("int8_rows_limit", &int8_rows_limit,
         "the most rows to give int8_rows_matmul (0: built without its vector path)");

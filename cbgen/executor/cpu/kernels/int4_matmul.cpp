@@ -63,6 +63,15 @@ void quantize_row(const at::BFloat16* x, int64_t k, int8_t* xq, float* dx, float
   }
 }
 
+// Each block's and group's 16 scales then 16 minima, bfloat16: [blocks, groups, 32].
+at::Tensor pack_scales_minima(const at::Tensor& scales, const at::Tensor& minima, int64_t blocks,
+                              int64_t groups) {
+  auto reblock = [&](const at::Tensor& t) {
+    return t.to(at::kBFloat16).reshape({blocks, kBlock, groups}).transpose(1, 2);
+  };
+  return at::cat({reblock(scales), reblock(minima)}, 2).contiguous();
+}
+
 }  // namespace
 
 bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
@@ -95,10 +104,7 @@ std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor
       }
     }
   });
-  auto reblock = [&](const at::Tensor& t) {
-    return t.to(at::kBFloat16).reshape({blocks, kBlock, groups}).transpose(1, 2);
-  };
-  return {packed, at::cat({reblock(scales), reblock(minima)}, 2).contiguous()};
+  return {packed, pack_scales_minima(scales, minima, blocks, groups)};
 }
 
 // x: bfloat16 [m, k]; returns bfloat16 [m, n].
@@ -188,26 +194,29 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-// The same 4-bit weights times bfloat16 activations with AVX512-BF16 (the "int4" mode):
-// no activation rounding, so it keeps int4's quality, and it reads the codes in the
-// layout above.
+// 4-bit weights times bfloat16 activations with AVX512-BF16 (the "int4" mode): no
+// activation rounding, so it keeps int4's quality.
 //
-// `vdpbf16ps` multiplies bfloat16 pairs, so each code has to become a bfloat16 first.
-// Interleaving a code byte c (0..15) with the byte 0x43 makes the 16-bit word 0x4300 | c,
-// which is the bfloat16 of 128 + c: one unpack turns 8 codes of a row into 8 exact
-// bfloat16 values, with no conversion. The 128 comes back out per group with the
-// activations' sum: sum_k x_k (128 + c_k) = sum_k x_k c_k + 128 sum_k x_k, so
+// `vdpbf16ps` multiplies bfloat16 pairs, so each code has to become a bfloat16 first. A
+// code c (0..15) in the low bits of a 16-bit word under 0x4000 is the bfloat16 of
+// 2 + c / 64, exactly: zero-extending 32 bytes of codes to words and one ternary-logic
+// op (the low nibbles) or one double shift (`vpshrdw`, the high nibbles) make 64
+// weights ready to multiply. The 2 and the 1/64 come back out per group with the
+// activations' sum: sum_k x_k (2 + c_k / 64) = (sum_k x_k c_k) / 64 + 2 sum_k x_k, so
 //
-//   y[m, n] = sum_g scale[n, g] * D[m, n, g] + (minimum[n, g] - 128 scale[n, g]) * S[m, g]
+//   y[m, n] = sum_g 64 scale[n, g] * D[m, n, g] + (minimum[n, g] - 128 scale[n, g]) * S[m, g]
 //
-// with D the group's dot product of x against 128 + code and S the group's activation
-// sum, both in float32. The unpack works within 128-bit lanes: from one 64-byte quad it
-// gives two registers, "A" with rows 4j and 4j + 1 of the block and "B" with rows 4j + 2
-// and 4j + 3 (j = 0..3), each row in two 32-bit lanes (codes 4p, 4p + 1 and 4p + 2,
-// 4p + 3), so the activations for a quad are its 4 values repeated: one 64-bit broadcast.
-// Per group the scales are spread to that lane order by one permute each; the two lanes
-// of a row are added once, at the end.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// with D the group's dot product of x against 2 + code / 64 and S its activation sum,
+// both float32.
+//
+// Weight layout (int4_bf16_pack): rows in blocks of 16, one 32-bit lane of a register a
+// row. For block b, group g and pair q (0..7), 32 bytes: byte 2r + t holds code k = 2q + t
+// of row r in its low nibble and code k = 16 + 2q + t in its high nibble (k within the
+// group). So one register's lane r holds row r's codes for two adjacent k, and the
+// activations for it are one 32-bit broadcast (an operand of `vdpbf16ps` itself). The
+// scales and minima are int4_vnni_pack's: 0.625 bytes a weight in all.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VBMI2__)
 #define CBGEN_INT4_BF16 1
 #else
 #define CBGEN_INT4_BF16 0
@@ -215,128 +224,105 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
 
 bool int4_bf16_available() { return CBGEN_INT4_BF16 != 0; }
 
-#if CBGEN_INT4_BF16
-namespace {
-
-// 16-bit word indices into a group's 32 scale/minimum words (scales 0..15, minima 16..31)
-// that put row (4j + t / 2) [A] or (4j + 2 + t / 2) [B] in the high half of 32-bit lane
-// 4j + t; the low halves are masked to zero, so each lane is that row's float32 value.
-struct LaneOrder {
-  alignas(64) uint16_t scale_a[32], scale_b[32], minimum_a[32], minimum_b[32];
-  LaneOrder() {
-    for (int lane = 0; lane < 16; ++lane) {
-      const int j = lane / 4, t = lane % 4;
-      for (int half = 0; half < 2; ++half) {
-        scale_a[2 * lane + half] = static_cast<uint16_t>(4 * j + t / 2);
-        scale_b[2 * lane + half] = static_cast<uint16_t>(4 * j + 2 + t / 2);
-        minimum_a[2 * lane + half] = static_cast<uint16_t>(16 + 4 * j + t / 2);
-        minimum_b[2 * lane + half] = static_cast<uint16_t>(16 + 4 * j + 2 + t / 2);
+// codes: uint8 [n, k] in 0..15; scales, minima: float32 [n, k / 32].
+// Returns (packed uint8 [n / 16, k / 32, 8, 32], scales then minima bfloat16 [n / 16, k / 32, 32]).
+std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
+                                       const at::Tensor& minima) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes: uint8 [n, k]");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, "int4_bf16_pack: n % 16 or k % 32 != 0");
+  const int64_t groups = k / kGroup, blocks = n / kBlock;
+  auto c = codes.contiguous();
+  auto packed = at::empty({blocks, groups, 8, 32}, codes.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* out = dst + (b * groups + g) * 256;
+        for (int64_t r = 0; r < kBlock; ++r) {
+          const uint8_t* row = src + (b * kBlock + r) * k + g * kGroup;
+          for (int64_t q = 0; q < 8; ++q) {
+            for (int64_t t = 0; t < 2; ++t) {
+              out[q * 32 + 2 * r + t] =
+                  static_cast<uint8_t>((row[2 * q + t] & 15) | ((row[16 + 2 * q + t] & 15) << 4));
+            }
+          }
+        }
       }
     }
-  }
-};
-const LaneOrder kLaneOrder;
+  });
+  return {packed, pack_scales_minima(scales, minima, blocks, groups)};
+}
 
-// High words of every lane; high words of lanes 4j and 4j + 2 only (one lane per row, for
-// the term added once per row).
-constexpr __mmask32 kHighWords = 0xAAAAAAAAu;
-constexpr __mmask32 kHighWordsOnePerRow = 0x22222222u;
+#if CBGEN_INT4_BF16
+namespace {
 
 // R rows of activations (x, row stride k; S their group sums, row stride groups) against
 // one block of 16 output rows; out gets R x 16 float32.
 template <int R>
 void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, const uint16_t* x,
                      int64_t k, const float* sums, float* out) {
-  const __m512i low = _mm512_set1_epi8(15);
-  const __m512i bias = _mm512_set1_epi8(0x43);
-  const __m512i order_sa = _mm512_load_si512(kLaneOrder.scale_a);
-  const __m512i order_sb = _mm512_load_si512(kLaneOrder.scale_b);
-  const __m512i order_ma = _mm512_load_si512(kLaneOrder.minimum_a);
-  const __m512i order_mb = _mm512_load_si512(kLaneOrder.minimum_b);
   // A few rows keep four chains of vdpbf16ps a row, so consecutive ones do not wait on
-  // each other; more rows are chains enough with two, and the fewer registers leave room
-  // for the rows' totals and one quad's codes without spilling.
-  constexpr int kChains = R <= 2 ? 2 : 1;
-  __m512 total_a[R], total_b[R];
-  for (int r = 0; r < R; ++r) total_a[r] = total_b[r] = _mm512_setzero_ps();
+  // each other; four rows are chains enough with two.
+  constexpr int kChains = R <= 2 ? 4 : 2;
+  const __m512i low = _mm512_set1_epi16(15);
+  const __m512i exponent = _mm512_set1_epi16(0x4000);
+  const __m512i exponent_nibble = _mm512_set1_epi16(4);  // 4 << 12 == 0x4000
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wb + g * 256;
-    __m512 dot_a[R][kChains], dot_b[R][kChains];
+    __m512 dot[R][kChains];
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < kChains; ++c) dot_a[r][c] = dot_b[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     }
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512(wg + p * 64);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const __m512bh a_lo = (__m512bh)_mm512_unpacklo_epi8(lo, bias);
-      const __m512bh b_lo = (__m512bh)_mm512_unpackhi_epi8(lo, bias);
-      const __m512bh a_hi = (__m512bh)_mm512_unpacklo_epi8(hi, bias);
-      const __m512bh b_hi = (__m512bh)_mm512_unpackhi_epi8(hi, bias);
+    for (int q = 0; q < 8; ++q) {
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wg + q * 32)));
+      // (w & 15) | 0x4000, and (w >> 4) with 4 shifted in on top: 0x4000 | (w >> 4).
+      const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, exponent, 0xEA);
+      const __m512bh hi = (__m512bh)_mm512_shrdi_epi16(w, exponent_nibble, 4);
       for (int r = 0; r < R; ++r) {
         const uint16_t* xg = x + r * k + g * 32;
-        int64_t quad_lo, quad_hi;
-        std::memcpy(&quad_lo, xg + 4 * p, 8);
-        std::memcpy(&quad_hi, xg + 16 + 4 * p, 8);
-        const __m512bh x_lo = (__m512bh)_mm512_set1_epi64(quad_lo);
-        const __m512bh x_hi = (__m512bh)_mm512_set1_epi64(quad_hi);
-        dot_a[r][0] = _mm512_dpbf16_ps(dot_a[r][0], a_lo, x_lo);
-        dot_b[r][0] = _mm512_dpbf16_ps(dot_b[r][0], b_lo, x_lo);
-        dot_a[r][kChains - 1] = _mm512_dpbf16_ps(dot_a[r][kChains - 1], a_hi, x_hi);
-        dot_b[r][kChains - 1] = _mm512_dpbf16_ps(dot_b[r][kChains - 1], b_hi, x_hi);
+        int32_t pair_lo, pair_hi;
+        std::memcpy(&pair_lo, xg + 2 * q, 4);
+        std::memcpy(&pair_hi, xg + 16 + 2 * q, 4);
+        __m512& chain_lo = dot[r][(2 * q) % kChains];
+        __m512& chain_hi = dot[r][(2 * q + 1) % kChains];
+        chain_lo = _mm512_dpbf16_ps(chain_lo, lo, (__m512bh)_mm512_set1_epi32(pair_lo));
+        chain_hi = _mm512_dpbf16_ps(chain_hi, hi, (__m512bh)_mm512_set1_epi32(pair_hi));
       }
     }
+    // bfloat16 to float32: the 16 bits on top of a zero low half.
     const __m512i both = _mm512_loadu_si512(smb + g * 32);
-    const __m512 scale_a =
-        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWords, order_sa, both));
-    const __m512 scale_b =
-        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWords, order_sb, both));
-    // minimum - 128 scale, in one lane per row.
-    const __m512 offset_a = _mm512_fnmadd_ps(
-        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_sa, both)),
-        _mm512_set1_ps(128.f),
-        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_ma, both)));
-    const __m512 offset_b = _mm512_fnmadd_ps(
-        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_sb, both)),
-        _mm512_set1_ps(128.f),
-        _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kHighWordsOnePerRow, order_mb, both)));
+    const __m512 scale = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
+    const __m512 minimum = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
+    const __m512 scale64 = _mm512_mul_ps(scale, _mm512_set1_ps(64.f));  // exact
+    const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(128.f), minimum);
     for (int r = 0; r < R; ++r) {
-      __m512 da = dot_a[r][0], db = dot_b[r][0];
-      if (kChains == 2) {
-        da = _mm512_add_ps(da, dot_a[r][kChains - 1]);
-        db = _mm512_add_ps(db, dot_b[r][kChains - 1]);
-      }
-      const __m512 sum = _mm512_set1_ps(sums[r * groups + g]);
-      total_a[r] = _mm512_fmadd_ps(da, scale_a, total_a[r]);
-      total_a[r] = _mm512_fmadd_ps(offset_a, sum, total_a[r]);
-      total_b[r] = _mm512_fmadd_ps(db, scale_b, total_b[r]);
-      total_b[r] = _mm512_fmadd_ps(offset_b, sum, total_b[r]);
+      __m512 d = dot[r][0];
+      for (int c = 1; c < kChains; ++c) d = _mm512_add_ps(d, dot[r][c]);
+      total[r] = _mm512_fmadd_ps(d, scale64, total[r]);
+      total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * groups + g]), total[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float a[16], b[16];
-    _mm512_store_ps(a, total_a[r]);
-    _mm512_store_ps(b, total_b[r]);
-    for (int j = 0; j < 4; ++j) {
-      out[r * 16 + 4 * j] = a[4 * j] + a[4 * j + 1];
-      out[r * 16 + 4 * j + 1] = a[4 * j + 2] + a[4 * j + 3];
-      out[r * 16 + 4 * j + 2] = b[4 * j] + b[4 * j + 1];
-      out[r * 16 + 4 * j + 3] = b[4 * j + 2] + b[4 * j + 3];
-    }
-  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, total[r]);
 }
 
 }  // namespace
 #endif
 
-// x: bfloat16 [m, k]; packed, scales_minima: int4_vnni_pack's; returns bfloat16 [m, n].
+// x: bfloat16 [m, k]; packed, scales_minima: int4_bf16_pack's; returns bfloat16 [m, n].
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
-  TORCH_CHECK(CBGEN_INT4_BF16, "int4_bf16_matmul: built without AVX512-BF16");
+  TORCH_CHECK(CBGEN_INT4_BF16, "int4_bf16_matmul: built without AVX512-BF16 and VBMI2");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [m, k]");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == 64 &&
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 8 && packed.size(3) == 32 &&
                   packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "packed layout");
+              "int4_bf16_matmul: packed must be int4_bf16_pack's uint8 [n / 16, k / 32, 8, 32]");
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   TORCH_CHECK(groups * kGroup == k, "int4_bf16_matmul: k does not match the packed weights");
