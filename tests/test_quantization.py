@@ -374,15 +374,16 @@ def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, seed)
 @needs_kernel
 @settings(max_examples=20, deadline=None)
 @given(
-    rows=st.integers(1, 4),
-    out_features=st.integers(1, 40),
-    in_features=st.integers(1, 100),
+    rows=st.integers(1, 11),
+    out_features=st.integers(1, 150),
+    in_features=st.integers(1, 300),
     seed=st.integers(0, 2**16),
 )
 def test_int8_rows_kernel_is_the_exact_product_to_float32_rounding(
     rows, out_features, in_features, seed
 ):
-    """cbgen's few-row int8 kernel on any shape (tails of both dimensions included): the
+    """cbgen's int8 kernel on any shape (tails of both dimensions, of its tasks of 64
+    output rows, of its pairs of output rows and its 4 activation rows included): the
     codes times the input rounded to int16 per group of 256 columns (a step of the
     group's largest magnitude over 32767), summed exactly per group, then in float32,
     times each row's scale, rounded once to bfloat16."""
@@ -402,22 +403,30 @@ def test_int8_rows_kernel_is_the_exact_product_to_float32_rounding(
         inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
         quantized = torch.round(group * inverse).double()
         assert bool((quantized.abs() <= 32767).all())
-        part = quantized @ codes[:, begin : begin + 256].double().t() * step.double()
-        want += part
-        magnitude += part.abs()
+        group_codes = codes[:, begin : begin + 256].double().t()
+        want += quantized @ group_codes * step.double()
+        # The kernel's float32 sums add its lanes' partial sums, each up to the sum of
+        # |products| of its columns, so cancellation there costs float32 steps of that.
+        magnitude += quantized.abs() @ group_codes.abs() * step.double()
     want *= scales.double()
     magnitude *= scales.double()
-    # A float32 sum per group, then one bfloat16 rounding of the output.
+    # Exact integer sums per lane and group, float32 sums of those, then one bfloat16
+    # rounding of the output.
     assert bool(((got - want).abs() <= 2**-8 * want.abs() + 2**-20 * magnitude).all())
     # The int16 step is far below the input's own bfloat16 rounding.
     exact = (x.double() @ codes.double().t()) * scales.double()
     assert float((got - exact).abs().max()) <= 2**-7 * float(exact.abs().max()) + 1e-6
+    # Each row's output is the same bits however many rows come with it: a sequence's
+    # logits do not depend on the batch it decodes in.
+    for row in range(rows):
+        alone = decode_kernel().int8_rows_matmul(x[row : row + 1], codes, scales).double()
+        assert torch.equal(alone[0], got[row])
 
 
 @needs_kernel
-def test_int8_maps_take_the_rows_kernel_for_a_few_rows():
-    """Up to ``rows_limit`` rows run cbgen's kernel, more run torch's; both give the
-    dequantized product to the output's rounding."""
+def test_int8_maps_take_cbgens_kernel_at_every_row_count():
+    """cbgen's int8 kernel serves every row count (torch's only where it was built without
+    AVX512-VNNI); it gives the dequantized product to the output's rounding."""
     torch.manual_seed(4)
     linear = nn.Linear(64, 48, bias=False)
     module = QuantizedLinear.from_linear(linear, "int8")
@@ -426,17 +435,14 @@ def test_int8_maps_take_the_rows_kernel_for_a_few_rows():
         assert module(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 48)
     if kernel.rows_limit == 0:
         pytest.skip("built without AVX512-VNNI: every row count runs torch's kernel")
-    assert kernel.rows_limit == 4
-    for rows in (1, 4, 5, 16):
+    assert kernel.rows_limit >= 4096
+    for rows in (1, 4, 5, 16, 300):
         x = torch.randn(rows, 64)
         rounded = x.to(torch.bfloat16)
         with torch.inference_mode():
             got = module(rounded)
         assert _relative_error(got, _reference(module, x)) < KERNEL_RTOL
-        if rows <= 4:
-            want = decode_kernel().int8_rows_matmul(rounded, module.codes, kernel.scales)
-        else:
-            want = torch._weight_int8pack_mm(rounded, module.codes, kernel.scales)
+        want = decode_kernel().int8_rows_matmul(rounded, module.codes, kernel.scales)
         assert torch.equal(got, want)
 
 

@@ -9,7 +9,7 @@ scales:
 
 * ``"int8"``: symmetric, one scale per output channel;
   ``torch._weight_int8pack_mm`` (bfloat16 activations, int8 weights widened in
-  registers), and cbgen's ``int8_rows_matmul`` for up to 4 rows.
+  registers), and cbgen's ``int8_rows_matmul`` where the kernels have AVX512-VNNI.
 * ``"int4"``: asymmetric, a scale and a minimum per group of ``group_size`` (32)
   input columns: the layout of GGUF's Q4_1 blocks, so quantizing the bundled model's
   dequantized Q4_1 weights finds the file's own grid back (up to the bfloat16 rounding
@@ -260,14 +260,18 @@ class _QuantizedMap(LinearMap):
 
 
 class Int8Map(_QuantizedMap):
-    """int8 ``[out, in]`` codes, one scale per output: ``torch._weight_int8pack_mm``, and for
-    up to ``rows_limit`` rows (decoding a few sequences) cbgen's ``int8_rows_matmul``.
+    """int8 ``[out, in]`` codes, one scale per output: cbgen's ``int8_rows_matmul`` for up
+    to ``rows_limit`` rows (every count, where the kernels have AVX512-VNNI), else
+    ``torch._weight_int8pack_mm``.
 
     torch's kernel reads the codes at ~17 GB/s on 2 cores at one row; the native one
     reads the same row-major codes at ~31 (all of a 1B model's int8 maps and head at one
-    row: 66 -> 40 ms, ``bench/linear_kernels.py --kinds int8-torch,int8``). It rounds
-    the activations to int16 per group of 256 columns (a step of 2^-15 of the group's
-    largest magnitude, far below their own bfloat16 rounding) for exact integer sums.
+    row: 66 -> 40 ms, ``bench/linear_kernels.py --kinds int8-torch,int8``), and with
+    more rows it is 2-2.5x torch's on a 1B model's 128,256 x 2,048 head (the 4-bit modes'
+    int8 head: 320 -> 133 ms at 64 rows). It rounds the activations to int16 per group
+    of 256 columns (a step of 2^-15 of the group's largest magnitude, far below their own
+    bfloat16 rounding) for exact integer sums, so a row's output does not depend on the
+    rows beside it.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):

@@ -1,4 +1,5 @@
-// Weight-only int8 times a few bfloat16 rows, reading the codes near read bandwidth.
+// Weight-only int8 times bfloat16 rows: a few rows reading the codes near read
+// bandwidth, more rows (a batch through the 4-bit modes' int8 LM head) at 2-2.5x torch's.
 //
 // torch's `_weight_int8pack_mm` reads int8 weights at ~17 GB/s on 2 cores at one row
 // (this machine streams ~35-50): a 1B model's 128,256 x 2,048 int8 LM head took 15 ms
@@ -16,7 +17,8 @@
 //   y[m, n] = scale[n] * sum_g step[m, g] * sum_k code[n, k] * xq[m, k].
 //
 // Rows are read one at a time: four interleaved rows of 2 KB each left the hardware
-// prefetcher at half the bandwidth of one stream.
+// prefetcher at half the bandwidth of one stream. With more than 4 activation rows the
+// codes are read from L2 instead (rows_matmul), so two output rows go together there.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,7 +37,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;    // activation rows one call takes
+constexpr int64_t kMaxRows = 4;    // activation rows one pass over the codes takes
+constexpr int64_t kRowsLimit = 1 << 20;  // int8_rows_limit: no limit but the caller's
 constexpr int64_t kGroup = 256;    // activation columns sharing one int16 scale
 constexpr int64_t kTask = 64;      // output rows a thread takes at a time
 
@@ -76,80 +79,140 @@ inline __mmask64 chunk_mask(int64_t left) {
   return left >= 64 ? ~__mmask64(0) : left <= 0 ? 0 : (__mmask64(1) << left) - 1;
 }
 
-// One row of codes against M activation rows, into out[0..M) (not yet scaled by the
-// row's weight scale). Per group of 256 columns the int16 products add up exactly in
-// int32 (at most 256 * 127 * 32767 per lane), then once into float32.
-template <int M>
-inline void dot_row(const int8_t* w, int64_t k, int64_t groups, const int16_t* xq,
-                    const float* dx, float* out) {
-  __m512 total[M];
-  for (int j = 0; j < M; ++j) total[j] = _mm512_setzero_ps();
+// N rows of codes (row stride k) against M activation rows, into out[r * M + j] (not yet
+// scaled by the rows' weight scales). Per group of 256 columns the int16 products add
+// up exactly in int32 (at most 256 * 127 * 32767 per lane), then once into float32.
+// C sums per pair of rows (bytes 0-7 and 8-15 of each 128-bit lane into their own with
+// C = 2), so that consecutive `vpdpwssd`s do not wait on each other: one output row
+// needs two, two output rows make chains enough with one and keep every sum in a
+// register.
+template <int N, int M, int C>
+inline void dot_rows(const int8_t* w, int64_t k, int64_t groups, const int16_t* xq,
+                     const float* dx, float* out) {
+  __m512 total[N][M];
+  for (int r = 0; r < N; ++r)
+    for (int j = 0; j < M; ++j) total[r][j] = _mm512_setzero_ps();
   const int64_t stride = groups * kGroup;
   for (int64_t g = 0; g < groups; ++g) {
-    // Two sums per activation row (bytes 0-7 and 8-15 of each 128-bit lane), so
-    // consecutive `vpdpwssd`s do not wait on each other.
-    __m512i dot[2][M];
-    for (int u = 0; u < 2; ++u)
-      for (int j = 0; j < M; ++j) dot[u][j] = _mm512_setzero_si512();
+    __m512i dot[C][N][M];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < N; ++r)
+        for (int j = 0; j < M; ++j) dot[c][r][j] = _mm512_setzero_si512();
     const int64_t begin = g * kGroup, end = std::min(k, begin + kGroup);
     for (int64_t i = begin; i < end; i += 64) {
       // The last chunk of a row may be short: its missing codes load as zeros.
-      const __m512i v = _mm512_maskz_loadu_epi8(chunk_mask(end - i), w + i);
-      // Bytes 0-7 (lo) and 8-15 (hi) of each 128-bit lane, sign-extended to int16 in
-      // place; the activations are stored in that order (stored_at).
-      const __m512i lo = _mm512_srai_epi16(_mm512_unpacklo_epi8(v, v), 8);
-      const __m512i hi = _mm512_srai_epi16(_mm512_unpackhi_epi8(v, v), 8);
+      const __mmask64 mask = chunk_mask(end - i);
+      __m512i lo[N], hi[N];
+      for (int r = 0; r < N; ++r) {
+        const __m512i v = _mm512_maskz_loadu_epi8(mask, w + r * k + i);
+        // Bytes 0-7 (lo) and 8-15 (hi) of each 128-bit lane, sign-extended to int16 in
+        // place; the activations are stored in that order (stored_at).
+        lo[r] = _mm512_srai_epi16(_mm512_unpacklo_epi8(v, v), 8);
+        hi[r] = _mm512_srai_epi16(_mm512_unpackhi_epi8(v, v), 8);
+      }
       for (int j = 0; j < M; ++j) {
         const int16_t* xj = xq + j * stride + i;
-        dot[0][j] = _mm512_dpwssd_epi32(dot[0][j], lo, _mm512_loadu_si512(xj));
-        dot[1][j] = _mm512_dpwssd_epi32(dot[1][j], hi, _mm512_loadu_si512(xj + 32));
+        const __m512i x_lo = _mm512_loadu_si512(xj), x_hi = _mm512_loadu_si512(xj + 32);
+        for (int r = 0; r < N; ++r) {
+          dot[0][r][j] = _mm512_dpwssd_epi32(dot[0][r][j], lo[r], x_lo);
+          dot[C - 1][r][j] = _mm512_dpwssd_epi32(dot[C - 1][r][j], hi[r], x_hi);
+        }
       }
     }
-    for (int j = 0; j < M; ++j) {
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0][j], dot[1][j]));
-      total[j] = _mm512_fmadd_ps(sum, _mm512_set1_ps(dx[j * groups + g]), total[j]);
+    for (int r = 0; r < N; ++r) {
+      for (int j = 0; j < M; ++j) {
+        __m512i sum = dot[0][r][j];
+        if (C == 2) sum = _mm512_add_epi32(sum, dot[C - 1][r][j]);
+        total[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[j * groups + g]),
+                                      total[r][j]);
+      }
     }
   }
-  for (int j = 0; j < M; ++j) out[j] = _mm512_reduce_add_ps(total[j]);
+  for (int r = 0; r < N; ++r)
+    for (int j = 0; j < M; ++j) out[r * M + j] = _mm512_reduce_add_ps(total[r][j]);
 }
 #else
-template <int M>
-inline void dot_row(const int8_t* w, int64_t k, int64_t groups, const int16_t* xq,
-                    const float* dx, float* out) {
+template <int N, int M, int C>
+inline void dot_rows(const int8_t* w, int64_t k, int64_t groups, const int16_t* xq,
+                     const float* dx, float* out) {
   const int64_t stride = groups * kGroup;
-  for (int j = 0; j < M; ++j) {
-    float sum = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t dot = 0;
-      for (int64_t i = g * kGroup; i < std::min(k, (g + 1) * kGroup); ++i)
-        dot += static_cast<int32_t>(w[i]) * xq[j * stride + g * kGroup + stored_at(i - g * kGroup)];
-      sum += static_cast<float>(dot) * dx[j * groups + g];
+  for (int r = 0; r < N; ++r) {
+    for (int j = 0; j < M; ++j) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t i = g * kGroup; i < std::min(k, (g + 1) * kGroup); ++i)
+          dot += static_cast<int32_t>(w[r * k + i]) *
+                 xq[j * stride + g * kGroup + stored_at(i - g * kGroup)];
+        sum += static_cast<float>(dot) * dx[j * groups + g];
+      }
+      out[r * M + j] = sum;
     }
-    out[j] = sum;
   }
 }
 #endif
 
-template <int M>
+// Output rows [row, row + N) against activation rows [first, first + M).
+template <int N, int M>
+void rows_tile(const int8_t* w, const at::BFloat16* scales, int64_t n, int64_t k, int64_t groups,
+               const int16_t* xq, const float* dx, int64_t row, int64_t first, at::BFloat16* y) {
+  float sums[N * M];
+  dot_rows<N, M, N == 1 ? 2 : 1>(w + row * k, k, groups, xq + first * groups * kGroup,
+                                 dx + first * groups, sums);
+  for (int r = 0; r < N; ++r) {
+    const float scale = static_cast<float>(scales[row + r]);
+    for (int j = 0; j < M; ++j) {
+      y[(first + j) * n + row + r] = static_cast<at::BFloat16>(sums[r * M + j] * scale);
+    }
+  }
+}
+
+template <int N>
+void rows_tile_dispatch(int64_t rows, const int8_t* w, const at::BFloat16* scales, int64_t n,
+                        int64_t k, int64_t groups, const int16_t* xq, const float* dx, int64_t row,
+                        int64_t first, at::BFloat16* y) {
+  switch (rows) {
+    case 1: rows_tile<N, 1>(w, scales, n, k, groups, xq, dx, row, first, y); break;
+    case 2: rows_tile<N, 2>(w, scales, n, k, groups, xq, dx, row, first, y); break;
+    case 3: rows_tile<N, 3>(w, scales, n, k, groups, xq, dx, row, first, y); break;
+    default: rows_tile<N, 4>(w, scales, n, k, groups, xq, dx, row, first, y); break;
+  }
+}
+
+// Up to 4 activation rows: each output row alone, its codes read once from memory. More:
+// each thread's task of 64 output rows (128 KB of codes at k = 2,048, kept in L2) meets
+// every 4 activation rows in turn, two output rows at a time, so the codes come from
+// memory once a call and the activations (16 KB for 4 rows) stay in L1.
 void rows_matmul(const int8_t* w, const at::BFloat16* scales, int64_t n, int64_t k,
-                 int64_t groups, const int16_t* xq, const float* dx, at::BFloat16* y) {
+                 int64_t groups, int64_t m, const int16_t* xq, const float* dx, at::BFloat16* y) {
+  const int64_t pair = m <= kMaxRows ? 1 : 2;
   at::parallel_for(0, (n + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
-    float sums[M];
-    for (int64_t row = begin * kTask; row < std::min(n, end * kTask); ++row) {
-      dot_row<M>(w + row * k, k, groups, xq, dx, sums);
-      const float scale = static_cast<float>(scales[row]);
-      for (int j = 0; j < M; ++j) y[j * n + row] = static_cast<at::BFloat16>(sums[j] * scale);
+    const int64_t last = std::min(n, end * kTask);
+    for (int64_t task = begin * kTask; task < last; task += kTask) {
+      const int64_t task_end = std::min(last, task + kTask);
+      for (int64_t first = 0; first < m; first += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, m - first);
+        for (int64_t row = task; row < task_end; row += pair) {
+          if (pair == 2 && row + 1 < task_end) {
+            rows_tile_dispatch<2>(rows, w, scales, n, k, groups, xq, dx, row, first, y);
+          } else {
+            for (int64_t r = row; r < std::min(task_end, row + pair); ++r)
+              rows_tile_dispatch<1>(rows, w, scales, n, k, groups, xq, dx, r, first, y);
+          }
+        }
+      }
     }
   });
 }
 
 }  // namespace
 
-// The most rows int8_rows_matmul should be given; 0 where it was built without AVX512-VNNI
-// (its scalar path is there for correctness, and torch's kernel is faster than it).
-int64_t int8_rows_limit() { return CBGEN_INT8_AVX512 ? kMaxRows : 0; }
+// The most rows int8_rows_matmul should be given at once (it takes any number; 0 where
+// it was built without AVX512-VNNI: its scalar path is there for correctness, and torch's
+// kernel is faster than it).
+int64_t int8_rows_limit() { return CBGEN_INT8_AVX512 ? kRowsLimit : 0; }
 
-// x: bfloat16 [m, k] with m <= 4; codes: int8 [n, k]; scales: bfloat16 [n].
+// x: bfloat16 [m, k]; codes: int8 [n, k]; scales: bfloat16 [n].
 // Returns bfloat16 [m, n], what torch._weight_int8pack_mm(x, codes, scales) returns.
 at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales) {
@@ -159,7 +222,7 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
   TORCH_CHECK(codes.size(1) == k, "int8_rows_matmul: x has ", k, " columns, codes ",
               codes.size(1));
-  TORCH_CHECK(m >= 1 && m <= kMaxRows, "int8_rows_matmul takes 1 to ", kMaxRows, " rows, not ", m);
+  TORCH_CHECK(m >= 1, "int8_rows_matmul takes at least one row");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
                   scales.numel() == n,
               "scales: contiguous bfloat16 [n]");
@@ -169,14 +232,7 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
   std::vector<float> dx(m * groups);
   quantize_rows(xc.data_ptr<at::BFloat16>(), m, k, groups, xq.data(), dx.data());
   auto out = at::empty({m, n}, x.options());
-  const int8_t* w = codes.data_ptr<int8_t>();
-  const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  switch (m) {
-    case 1: rows_matmul<1>(w, s, n, k, groups, xq.data(), dx.data(), y); break;
-    case 2: rows_matmul<2>(w, s, n, k, groups, xq.data(), dx.data(), y); break;
-    case 3: rows_matmul<3>(w, s, n, k, groups, xq.data(), dx.data(), y); break;
-    default: rows_matmul<4>(w, s, n, k, groups, xq.data(), dx.data(), y); break;
-  }
+  rows_matmul(codes.data_ptr<int8_t>(), scales.data_ptr<at::BFloat16>(), n, k, groups, m,
+              xq.data(), dx.data(), out.data_ptr<at::BFloat16>());
   return out;
 }
