@@ -35,7 +35,7 @@ test: $(TEST_STAMP)
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
