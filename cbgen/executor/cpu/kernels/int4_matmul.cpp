@@ -1,4 +1,5 @@
-// 4-bit weights times int8 activations with AVX512-VNNI, for a few rows at a time.
+// 4-bit weights times bfloat16 rows, two ways: with the activations rounded to int8
+// (w4a8, AVX512-VNNI, here) or as they are (int4, AVX512-BF16, further down).
 //
 // torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) widens every 4-bit code to
 // float and multiplies it by a bfloat16 activation: about 10 vector instructions per
@@ -72,6 +73,35 @@ at::Tensor pack_scales_minima(const at::Tensor& scales, const at::Tensor& minima
   return at::cat({reblock(scales), reblock(minima)}, 2).contiguous();
 }
 
+// codes: uint8 [n, k] in 0..15 to [n / 16, k / 32, layout...] (256 bytes a block and
+// group), with place(out, r, row) writing row r's 32 codes of a group into its block's
+// 256 bytes; then pack_scales_minima.
+template <typename Place>
+std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& scales,
+                                  const at::Tensor& minima, std::vector<int64_t> layout,
+                                  const char* name, Place place) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, name, ": codes uint8 [n, k]");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, name, ": n % 16 or k % 32 != 0");
+  const int64_t groups = k / kGroup, blocks = n / kBlock;
+  auto c = codes.contiguous();
+  std::vector<int64_t> shape = {blocks, groups};
+  shape.insert(shape.end(), layout.begin(), layout.end());
+  auto packed = at::empty(shape, codes.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t r = 0; r < kBlock; ++r) {
+          place(dst + (b * groups + g) * 256, r, src + (b * kBlock + r) * k + g * kGroup);
+        }
+      }
+    }
+  });
+  return {packed, pack_scales_minima(scales, minima, blocks, groups)};
+}
+
 }  // namespace
 
 bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
@@ -80,31 +110,15 @@ bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
 // Returns (packed uint8 [n / 16, k / 32, 4, 64], scales then minima bfloat16 [n / 16, k / 32, 32]).
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes: uint8 [n, k]");
-  const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, "int4_vnni_pack: n % 16 or k % 32 != 0");
-  const int64_t groups = k / kGroup, blocks = n / kBlock;
-  auto c = codes.contiguous();
-  auto packed = at::empty({blocks, groups, 4, 64}, codes.options());
-  const uint8_t* src = c.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t p = 0; p < 4; ++p) {
-          uint8_t* out = dst + ((b * groups + g) * 4 + p) * 64;
-          for (int64_t r = 0; r < kBlock; ++r) {
-            const uint8_t* row = src + (b * kBlock + r) * k + g * kGroup;
-            for (int64_t i = 0; i < 4; ++i) {
-              out[4 * r + i] = static_cast<uint8_t>((row[4 * p + i] & 15) |
-                                                    ((row[16 + 4 * p + i] & 15) << 4));
-            }
-          }
-        }
-      }
-    }
-  });
-  return {packed, pack_scales_minima(scales, minima, blocks, groups)};
+  return pack_4bit(codes, scales, minima, {4, 64}, "int4_vnni_pack",
+                   [](uint8_t* out, int64_t r, const uint8_t* row) {
+                     for (int64_t p = 0; p < 4; ++p) {
+                       for (int64_t i = 0; i < 4; ++i) {
+                         out[p * 64 + 4 * r + i] = static_cast<uint8_t>(
+                             (row[4 * p + i] & 15) | ((row[16 + 4 * p + i] & 15) << 4));
+                       }
+                     }
+                   });
 }
 
 // x: bfloat16 [m, k]; returns bfloat16 [m, n].
@@ -228,31 +242,15 @@ bool int4_bf16_available() { return CBGEN_INT4_BF16 != 0; }
 // Returns (packed uint8 [n / 16, k / 32, 8, 32], scales then minima bfloat16 [n / 16, k / 32, 32]).
 std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes: uint8 [n, k]");
-  const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, "int4_bf16_pack: n % 16 or k % 32 != 0");
-  const int64_t groups = k / kGroup, blocks = n / kBlock;
-  auto c = codes.contiguous();
-  auto packed = at::empty({blocks, groups, 8, 32}, codes.options());
-  const uint8_t* src = c.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* out = dst + (b * groups + g) * 256;
-        for (int64_t r = 0; r < kBlock; ++r) {
-          const uint8_t* row = src + (b * kBlock + r) * k + g * kGroup;
-          for (int64_t q = 0; q < 8; ++q) {
-            for (int64_t t = 0; t < 2; ++t) {
-              out[q * 32 + 2 * r + t] =
-                  static_cast<uint8_t>((row[2 * q + t] & 15) | ((row[16 + 2 * q + t] & 15) << 4));
-            }
-          }
-        }
-      }
-    }
-  });
-  return {packed, pack_scales_minima(scales, minima, blocks, groups)};
+  return pack_4bit(codes, scales, minima, {8, 32}, "int4_bf16_pack",
+                   [](uint8_t* out, int64_t r, const uint8_t* row) {
+                     for (int64_t q = 0; q < 8; ++q) {
+                       for (int64_t t = 0; t < 2; ++t) {
+                         out[q * 32 + 2 * r + t] = static_cast<uint8_t>(
+                             (row[2 * q + t] & 15) | ((row[16 + 2 * q + t] & 15) << 4));
+                       }
+                     }
+                   });
 }
 
 #if CBGEN_INT4_BF16
