@@ -4,6 +4,7 @@ quantized models through the engine's paths."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ from cbgen import EngineConfig, SamplingParams, generate_batch
 from cbgen.executor.cpu.kernels import decode_kernel
 from cbgen.executor.cpu.prepack import PackedLinears
 from cbgen.executor.cpu.quantization import (
+    Int4Map,
     QuantizedLinear,
     dequantize,
     quantize_int4,
@@ -281,6 +283,32 @@ def test_load_model_takes_the_lm_head_option_with_quantization_only():
         cbgen.load_model("smollm2", quantization="int4", lm_head_quantization="fp4")
 
 
+def test_load_model_takes_a_4bit_group_size():
+    """``quantization_group_size`` reaches every 4-bit map (and a 4-bit head), the int8
+    head keeps one scale a row, and the option is refused where it means nothing: with
+    no 4-bit mode, with w4a8 (activations in groups of 32), or an unsupported size."""
+    import cbgen
+    from cbgen.frontends.args.precision import add_precision_arguments
+
+    model, _ = cbgen.load_model(
+        "smollm2", quantization="int4", quantization_group_size=64, tokenizer=False
+    )
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.group_size == 64 and q_proj.scales.shape == (576, 576 // 64)
+    assert model.lm_head.mode == "int8"
+    with pytest.raises(ValueError, match="4-bit modes"):
+        cbgen.load_model("smollm2", quantization="int8", quantization_group_size=64)
+    with pytest.raises(ValueError, match="groups? of 32"):
+        cbgen.load_model("smollm2", quantization="w4a8", quantization_group_size=128)
+    with pytest.raises(ValueError, match="one of"):
+        cbgen.load_model("smollm2", quantization="int4", quantization_group_size=48)
+    parser = argparse.ArgumentParser()
+    add_precision_arguments(parser)
+    args = parser.parse_args(["--quantization", "int4", "--quantization-group-size", "128"])
+    assert args.quantization_group_size == 128
+    assert parser.parse_args([]).quantization_group_size == 32
+
+
 def test_a_quantized_load_keeps_no_mapping_of_the_weights_file(tmp_path):
     """The tensors quantization leaves (embeddings, norms) must not keep the safetensors
     file mapped: its pages would stay in the resident set (2.5 GB on a 1B model)."""
@@ -337,38 +365,68 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
 @given(
     rows=st.integers(1, 11),
     blocks=st.integers(1, 5),
-    groups=st.integers(1, 6),
+    groups=st.integers(1, 5),
+    group=st.sampled_from([32, 64, 128, 256]),
     seed=st.integers(0, 2**16),
 )
-def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, seed):
+def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, group, seed):
     """int4's own kernel (codes as the bfloat16 2 + c / 64, ``vdpbf16ps``, the 2 and the
-    1/64 taken back out with each group's activation sum) against the float64 product of the bfloat16 input
-    and the weight its bfloat16 scales and minima stand for: within the output's one
-    bfloat16 rounding plus float32 sums of terms up to 128 times the codes'. Row counts
-    past 4 (the kernel's row tile), outlier and all-zero groups, negative minima."""
+    1/64 taken back out with each scale group's activation sum) against the float64
+    product of the bfloat16 input and the weight its bfloat16 scales and minima stand
+    for: within the output's one bfloat16 rounding plus float32 sums of terms up to 128
+    times the codes'. Scale groups of 32 to 256 columns, row counts past 4 (the kernel's
+    row tile), outlier and all-zero groups, negative minima."""
     if not decode_kernel().int4_bf16_available():
         pytest.skip("built without AVX512-BF16: int4 runs torch's kernel")
     generator = torch.Generator().manual_seed(seed)
-    out_features, in_features = 16 * blocks, 32 * groups
+    out_features, in_features = 16 * blocks, group * groups
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     codes = codes.to(torch.uint8)
     scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
     minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
     x = torch.randn(rows, in_features, generator=generator)
-    x[:, :32] *= 100  # an outlier group
+    x[:, :32] *= 100  # an outlier
     x[0] = 0.0
     x = x.to(torch.bfloat16)
     packed, scales_minima = decode_kernel().int4_bf16_pack(codes, scales, minima)
     got = decode_kernel().int4_bf16_matmul(x, packed, scales_minima).double()
     s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
-    weight = (codes.double().view(out_features, groups, 32) * s + m).view(out_features, -1)
+    weight = (codes.double().view(out_features, groups, group) * s + m).view(out_features, -1)
     want = x.double() @ weight.t()
     # The float32 sums add terms up to |x| (2 + code / 64) 64 scale and |x| |minimum|.
     per_column = (128 + 16) * s + m.abs()
-    terms = x.double().abs() @ per_column.expand(-1, -1, 32).reshape(out_features, -1).t()
+    terms = x.double().abs() @ per_column.expand(-1, -1, group).reshape(out_features, -1).t()
     bound = 2**-8 * want.abs() + 2**-20 * terms
     assert bool(((got - want).abs() <= bound).all())
     assert bool((got[0] == 0).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [64, 128])
+def test_int4_maps_take_cbgens_kernel_at_larger_groups(group):
+    """A map quantized per group of 64 or 128 columns runs int4's own kernel where it is
+    built (torch's elsewhere) and gives torch's kernel's product to bfloat16 rounding;
+    the packs refuse scales that do not span whole groups of 32, and w4a8's any group
+    but 32."""
+    native = decode_kernel().int4_bf16_available()
+    torch.manual_seed(5)
+    linear = nn.Linear(256, 48, bias=True)
+    module = QuantizedLinear.from_linear(linear, "int4", group)
+    assert module.kernel().path == ("bf16" if native else "torch") and module.group_size == group
+    codes, scales, minima = quantize_int4(linear.weight, group)
+    torch_map = Int4Map(codes, scales, minima, group, linear.bias, use_native_kernels=False)
+    assert torch_map.path == "torch"
+    x = torch.randn(6, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        got, want = module(x).float(), torch_map(x).float()
+    assert _relative_error(got, want) < 2**-6
+    assert _relative_error(got, _reference(module, x.float())) < 2**-6
+    kernel = decode_kernel()
+    with pytest.raises(RuntimeError, match="group"):
+        three = torch.rand(48, 3)  # 256 columns in 3 scale groups: not whole groups of 32
+        kernel.int4_bf16_pack(codes, three, three)
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        kernel.int4_vnni_pack(codes, scales, minima)
 
 
 @needs_kernel

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import EngineConfig
-from ..executor.cpu.quantization import QUANTIZATION_MODES
+from ..executor.cpu.quantization import INT4_GROUP_SIZES, QUANTIZATION_MODES
 from ..frontends.args.parallel import add_parallel_arguments
 from ..frontends.args.speculative import add_speculative_arguments
 from .peers import PEERS
@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lm-head-quantization",
         choices=QUANTIZATION_MODES,
         help="the LM head's codes under --quantization (default int8)",
+    )
+    w.add_argument(
+        "--quantization-group-size",
+        type=int,
+        choices=INT4_GROUP_SIZES,
+        default=32,
+        help="input columns per scale and minimum in cbgen's and transformers' 4-bit modes "
+        "(default 32)",
     )
     w.add_argument("--quick", action="store_true", help="few prompts, few tokens, 1 repeat")
     w.add_argument("--repeats", type=int, help=f"timed runs per system (default {DEFAULT_REPEATS})")

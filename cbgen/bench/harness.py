@@ -70,6 +70,8 @@ class Bench:
         self.engine_config.update(parse_engine_options(args.engine_option))
         if args.lm_head_quantization and not args.quantization:
             raise SystemExit("cbgen bench: --lm-head-quantization needs --quantization")
+        if args.quantization_group_size != 32 and args.quantization not in ("int4", "w4a8"):
+            raise SystemExit("cbgen bench: --quantization-group-size needs a 4-bit --quantization")
         try:
             EngineConfig(**self.engine_config)  # validate early
             self.speculative = speculative_settings(args)
@@ -108,6 +110,7 @@ class Bench:
             "dtype": self.args.dtype,
             "quantization": self.args.quantization,
             "lm_head_quantization": self.args.lm_head_quantization,
+            "quantization_group_size": self.args.quantization_group_size,
             "threads": self.threads,
             "cpus": self.cpus,
             "repeats": self.repeats,
@@ -182,7 +185,8 @@ class Bench:
         print(
             f"cbgen bench: {self.threads} threads pinned to cores {self.cpus}, {args.dtype}"
             f"{' + ' + args.quantization if args.quantization else ''}"
-            f"{' (LM head ' + args.lm_head_quantization + ')' if args.lm_head_quantization else ''}, "
+            f"{' (LM head ' + args.lm_head_quantization + ')' if args.lm_head_quantization else ''}"
+            f"{f' in groups of {args.quantization_group_size}' if args.quantization_group_size != 32 else ''}, "
             f"{self.repeats} repeat(s), isolation {args.isolation}"
         )
         tokenizer = load_tokenizer(args.model)
@@ -250,6 +254,7 @@ class Bench:
             "dtype": self.args.dtype,
             "quantization": self.args.quantization,
             "lm_head_quantization": self.args.lm_head_quantization,
+            "quantization_group_size": self.args.quantization_group_size,
             "repeats": self.repeats,
             "quick": self.quick,
             "isolation": isolation,

@@ -68,6 +68,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         tokenizer=False,
         quantization=None if dense else spec.get("quantization"),
         lm_head_quantization=None if dense else spec.get("lm_head_quantization"),
+        quantization_group_size=32 if dense else spec.get("quantization_group_size", 32),
     )
     result["load_s"] = time.perf_counter() - started
     result["rss_after_load_kib"] = proc_status_kib("VmRSS")

@@ -42,6 +42,7 @@ class CbgenReplica:
         dtype: str | None = None,
         quantization: str | None = None,
         lm_head_quantization: str | None = None,
+        quantization_group_size: int = 32,
         device: str = "cpu",
         config: EngineConfig | None = None,
         api_key: str | None = None,
@@ -61,6 +62,7 @@ class CbgenReplica:
             dtype=dtype,
             quantization=quantization,
             lm_head_quantization=lm_head_quantization,
+            quantization_group_size=quantization_group_size,
             device=device,
         )
         if chat_template is not None:

@@ -292,8 +292,8 @@ class Int4Map(_QuantizedMap):
 
     Three kernels, by ``path``:
 
-    * ``"bf16"`` (``int4``, where cbgen's kernels have AVX512-BF16 and VBMI2 and the
-      groups are of 32): ``int4_bf16_matmul`` turns each code into an exact bfloat16
+    * ``"bf16"`` (``int4``, where cbgen's kernels have AVX512-BF16 and VBMI2; groups
+      of 32, 64, 128 or 256): ``int4_bf16_matmul`` turns each code into an exact bfloat16
       with one or two vector ops and multiplies it by the bfloat16 activations with
       ``vdpbf16ps``, float32 sums.
       No activation rounding, so int4's quality; it reads weights near bandwidth where
@@ -328,7 +328,7 @@ class Int4Map(_QuantizedMap):
         super().__init__(int(codes.shape[0]), bias)
         self.group_size = group_size
         self.native: Any = _native_4bit(codes, group_size) if use_native_kernels else None
-        self.path = _four_bit_path(self.native, int8_activations)
+        self.path = _four_bit_path(self.native, int8_activations, group_size)
         if self.native is not None and self.path != "torch":
             pack = self.native.int4_bf16_pack if self.path == "bf16" else self.native.int4_vnni_pack
             self.packed, self.scales_minima = pack(codes, scales.float(), minima.float())
@@ -357,22 +357,29 @@ def _native_kernel() -> Any:
 
 
 def _native_4bit(codes: torch.Tensor, group_size: int) -> Any:
-    """The native module when ``codes`` fit its 4-bit layout (groups of 32, outputs in
-    blocks of 16, on the CPU), else None."""
+    """The native module when ``codes`` fit its 4-bit layout (groups of a multiple of 32,
+    outputs in blocks of 16, on the CPU), else None."""
     out_features, in_features = codes.shape
-    if group_size != 32 or out_features % 16 or in_features % 32 or codes.device.type != "cpu":
+    if group_size % 32 or out_features % 16 or in_features % group_size:
         return None
-    return _native_kernel()
+    return _native_kernel() if codes.device.type == "cpu" else None
 
 
-def _four_bit_path(native: Any, int8_activations: bool) -> str:
+def _four_bit_path(native: Any, int8_activations: bool, group_size: int) -> str:
     """Which kernel a 4-bit map runs: ``"vnni"`` (w4a8), ``"bf16"`` (int4) or ``"torch"``."""
     global _vnni_warned
-    if native is not None and int8_activations and native.int4_vnni_available():
+    vnni = native is not None and group_size == 32 and native.int4_vnni_available()
+    if int8_activations and vnni:
         return "vnni"
     if int8_activations and not _vnni_warned:
         _vnni_warned = True
-        why = "its layout or native kernels unavailable" if native is None else "no AVX512-VNNI"
+        why = (
+            "its layout or native kernels unavailable"
+            if native is None
+            else "no AVX512-VNNI"
+            if group_size == 32
+            else f"groups of {group_size}, not 32"
+        )
         logger.warning("cbgen: w4a8 runs the int4 kernel, bfloat16 activations (%s)", why)
     if native is not None and native.int4_bf16_available():
         return "bf16"

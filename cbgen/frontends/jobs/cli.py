@@ -76,6 +76,7 @@ def batch_command(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "quantization": args.quantization,
             "lm_head_quantization": args.lm_head_quantization,
+            "quantization_group_size": args.quantization_group_size,
             "config": EngineConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_batch_tokens=args.max_batch_tokens,

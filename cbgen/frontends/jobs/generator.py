@@ -47,7 +47,8 @@ class Generator:
     ``finish_reason="error"`` and the reason in ``error``; the other rows run normally.
 
     ``threads`` sets torch's thread count for the process (an actor's CPUs); ``dtype``
-    (``"bfloat16"``...), ``quantization``, ``lm_head_quantization`` and ``device`` are
+    (``"bfloat16"``...), ``quantization``, ``lm_head_quantization``,
+    ``quantization_group_size`` and ``device`` are
     ``cbgen.load_model``'s.
     ``lora_modules`` (name -> PEFT adapter folder) are loaded at once; a row's ``lora``
     names the one it runs under (an unknown name fails that row only).
@@ -65,6 +66,7 @@ class Generator:
         dtype: str | None = None,
         quantization: str | None = None,
         lm_head_quantization: str | None = None,
+        quantization_group_size: int = 32,
         device: str = "cpu",
         config: EngineConfig | None = None,
         lora_modules: Mapping[str, str] | None = None,
@@ -86,6 +88,7 @@ class Generator:
             dtype=dtype,
             quantization=quantization,
             lm_head_quantization=lm_head_quantization,
+            quantization_group_size=quantization_group_size,
             device=device,
         )
         self.engine = Engine(loaded, self.tokenizer, config, max_retained_results=RETAINED_RESULTS)

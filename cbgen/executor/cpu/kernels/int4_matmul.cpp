@@ -42,15 +42,24 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;
 
-// One row of activations as int8 codes per group of 32, their scales and plain sums.
-void quantize_row(const at::BFloat16* x, int64_t k, int8_t* xq, float* dx, float* sx) {
+// Each group's plain float32 sum of one row of bfloat16 activations: the term that
+// multiplies the minima (and, in the bf16 kernel, the 2 its codes carry).
+void group_sums(const uint16_t* x, int64_t k, int64_t group, float* sums) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    float s = 0.f;
+    for (int64_t i = 0; i < group; ++i) s += c10::detail::f32_from_bits(x[g * group + i]);
+    sums[g] = s;
+  }
+}
+
+// One row of activations as int8 codes per group of 32 and their scales.
+void quantize_row(const uint16_t* x, int64_t k, int8_t* xq, float* dx) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
     float values[kGroup];
-    float amax = 0.f, sum = 0.f;
+    float amax = 0.f;
     for (int64_t i = 0; i < kGroup; ++i) {
-      values[i] = static_cast<float>(x[g * kGroup + i]);
+      values[i] = c10::detail::f32_from_bits(x[g * kGroup + i]);
       amax = std::max(amax, std::fabs(values[i]));
-      sum += values[i];
     }
     // A group of zeros (or of denormals, whose inverse scale would overflow) gets no
     // codes; its exact sum still multiplies the minima.
@@ -60,8 +69,27 @@ void quantize_row(const at::BFloat16* x, int64_t k, int8_t* xq, float* dx, float
       xq[g * kGroup + i] = static_cast<int8_t>(std::nearbyint(values[i] * inv));
     }
     dx[g] = scale;
-    sx[g] = sum;
   }
+}
+
+// What both matmuls check of their inputs. Returns the columns per scale group (a
+// multiple of 32: the packed codes come in groups of 32, the scales may span several).
+int64_t check_4bit_inputs(const char* name, const at::Tensor& x, const at::Tensor& packed,
+                          std::vector<int64_t> layout, const at::Tensor& scales_minima) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be bfloat16 [m, k]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == layout[0] && packed.size(3) == layout[1] &&
+                  packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              name, ": packed must be its pack's uint8 [n / 16, k / 32, ", layout[0], ", ",
+              layout[1], "]");
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(groups * kGroup == x.size(1), name, ": k does not match the packed weights");
+  TORCH_CHECK(scales_minima.scalar_type() == at::kBFloat16 && scales_minima.is_contiguous() &&
+                  scales_minima.dim() == 3 && scales_minima.size(0) == blocks &&
+                  scales_minima.size(2) == 2 * kBlock && scales_minima.size(1) > 0 &&
+                  groups % scales_minima.size(1) == 0,
+              name, ": scales and minima must be bfloat16 [n / 16, k / group, 32] with the group "
+              "a multiple of 32 that divides k");
+  return kGroup * (groups / scales_minima.size(1));
 }
 
 // Each block's and group's 16 scales then 16 minima, bfloat16: [blocks, groups, 32].
@@ -74,8 +102,9 @@ at::Tensor pack_scales_minima(const at::Tensor& scales, const at::Tensor& minima
 }
 
 // codes: uint8 [n, k] in 0..15 to [n / 16, k / 32, layout...] (256 bytes a block and
-// group), with place(out, r, row) writing row r's 32 codes of a group into its block's
-// 256 bytes; then pack_scales_minima.
+// group of 32), with place(out, r, row) writing row r's 32 codes of a group into its
+// block's 256 bytes; then pack_scales_minima, one pair a row per scale group (k /
+// scales.size(1) columns, a multiple of 32).
 template <typename Place>
 std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& scales,
                                   const at::Tensor& minima, std::vector<int64_t> layout,
@@ -84,6 +113,9 @@ std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& sca
   const int64_t n = codes.size(0), k = codes.size(1);
   TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, name, ": n % 16 or k % 32 != 0");
   const int64_t groups = k / kGroup, blocks = n / kBlock;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
+                  groups % scales.size(1) == 0 && minima.sizes() == scales.sizes(),
+              name, ": scales and minima [n, k / group] with the group a multiple of 32");
   auto c = codes.contiguous();
   std::vector<int64_t> shape = {blocks, groups};
   shape.insert(shape.end(), layout.begin(), layout.end());
@@ -99,7 +131,7 @@ std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& sca
       }
     }
   });
-  return {packed, pack_scales_minima(scales, minima, blocks, groups)};
+  return {packed, pack_scales_minima(scales, minima, blocks, scales.size(1))};
 }
 
 }  // namespace
@@ -110,6 +142,8 @@ bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
 // Returns (packed uint8 [n / 16, k / 32, 4, 64], scales then minima bfloat16 [n / 16, k / 32, 32]).
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima) {
+  TORCH_CHECK(scales.dim() == 2 && scales.size(1) * kGroup == codes.size(1),
+              "int4_vnni_pack: w4a8 scales groups of 32");
   return pack_4bit(codes, scales, minima, {4, 64}, "int4_vnni_pack",
                    [](uint8_t* out, int64_t r, const uint8_t* row) {
                      for (int64_t p = 0; p < 4; ++p) {
@@ -124,24 +158,22 @@ std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor
 // x: bfloat16 [m, k]; returns bfloat16 [m, n].
 at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [m, k]");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == 64, "packed layout");
+  const int64_t group = check_4bit_inputs("int4_vnni_matmul", x, packed, {4, 64}, scales_minima);
+  TORCH_CHECK(group == kGroup, "int4_vnni_matmul: w4a8 scales groups of 32");
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(groups * kGroup == k, "int4_vnni_matmul: k does not match the packed weights");
-  TORCH_CHECK(scales_minima.scalar_type() == at::kBFloat16 && scales_minima.is_contiguous() &&
-                  scales_minima.numel() == blocks * groups * 2 * kBlock,
-              "int4_vnni_matmul: scales and minima must be bfloat16 [n / 16, k / 32, 32]");
   const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
   auto out = at::empty({m, n}, x.options());
   std::vector<int8_t> xq(m * k);
   std::vector<float> dx(m * groups), sx(m * groups);
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  for (int64_t row = 0; row < m; ++row) {
-    quantize_row(xp + row * k, k, xq.data() + row * k, dx.data() + row * groups,
-                 sx.data() + row * groups);
-  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      quantize_row(xp + row * k, k, xq.data() + row * k, dx.data() + row * groups);
+      group_sums(xp + row * k, k, kGroup, sx.data() + row * groups);
+    }
+  });
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
@@ -220,7 +252,7 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
 //
 //   y[m, n] = sum_g 64 scale[n, g] * D[m, n, g] + (minimum[n, g] - 128 scale[n, g]) * S[m, g]
 //
-// with D the group's dot product of x against 2 + code / 64 and S its activation sum,
+// over the scale groups g, with D the group's dot product of x against 2 + code / 64 and S its activation sum,
 // both float32.
 //
 // Weight layout (int4_bf16_pack): rows in blocks of 16, one 32-bit lane of a register a
@@ -228,7 +260,9 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
 // of row r in its low nibble and code k = 16 + 2q + t in its high nibble (k within the
 // group). So one register's lane r holds row r's codes for two adjacent k, and the
 // activations for it are one 32-bit broadcast (an operand of `vdpbf16ps` itself). The
-// scales and minima are int4_vnni_pack's: 0.625 bytes a weight in all.
+// scales and minima are laid out as int4_vnni_pack's, but a scale group may span 32,
+// 64, 128 or 256 columns (the codes' groups of 32 add up first): 0.625, 0.5625,
+// 0.53125 or 0.515625 bytes a weight in all (llama.cpp's Q4_0 is 0.5625, Q4_1 0.625).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
     defined(__AVX512VBMI2__)
 #define CBGEN_INT4_BF16 1
@@ -238,8 +272,9 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
 
 bool int4_bf16_available() { return CBGEN_INT4_BF16 != 0; }
 
-// codes: uint8 [n, k] in 0..15; scales, minima: float32 [n, k / 32].
-// Returns (packed uint8 [n / 16, k / 32, 8, 32], scales then minima bfloat16 [n / 16, k / 32, 32]).
+// codes: uint8 [n, k] in 0..15; scales, minima: float32 [n, k / group], the group a
+// multiple of 32. Returns (packed uint8 [n / 16, k / 32, 8, 32], scales then minima
+// bfloat16 [n / 16, k / group, 32]).
 std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima) {
   return pack_4bit(codes, scales, minima, {8, 32}, "int4_bf16_pack",
@@ -256,11 +291,12 @@ std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor
 #if CBGEN_INT4_BF16
 namespace {
 
-// R rows of activations (x, row stride k; S their group sums, row stride groups) against
-// one block of 16 output rows; out gets R x 16 float32.
+// R rows of activations (x, row stride k; S their sums per scale group, row stride
+// scale_groups) against one block of 16 output rows; out gets R x 16 float32. A scale
+// group spans `per` groups of 32 codes: their dot products add up before its scale.
 template <int R>
-void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, const uint16_t* x,
-                     int64_t k, const float* sums, float* out) {
+void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_groups, int64_t per,
+                     const uint16_t* x, int64_t k, const float* sums, float* out) {
   // A few rows keep four chains of vdpbf16ps a row, so consecutive ones do not wait on
   // each other; four rows are chains enough with two.
   constexpr int kChains = R <= 2 ? 4 : 2;
@@ -269,31 +305,33 @@ void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, con
   const __m512i exponent_nibble = _mm512_set1_epi16(4);  // 4 << 12 == 0x4000
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = wb + g * 256;
+  for (int64_t sg = 0; sg < scale_groups; ++sg) {
     __m512 dot[R][kChains];
     for (int r = 0; r < R; ++r) {
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     }
-    for (int q = 0; q < 8; ++q) {
-      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wg + q * 32)));
-      // (w & 15) | 0x4000, and (w >> 4) with 4 shifted in on top: 0x4000 | (w >> 4).
-      const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, exponent, 0xEA);
-      const __m512bh hi = (__m512bh)_mm512_shrdi_epi16(w, exponent_nibble, 4);
-      for (int r = 0; r < R; ++r) {
-        const uint16_t* xg = x + r * k + g * 32;
-        int32_t pair_lo, pair_hi;
-        std::memcpy(&pair_lo, xg + 2 * q, 4);
-        std::memcpy(&pair_hi, xg + 16 + 2 * q, 4);
-        __m512& chain_lo = dot[r][(2 * q) % kChains];
-        __m512& chain_hi = dot[r][(2 * q + 1) % kChains];
-        chain_lo = _mm512_dpbf16_ps(chain_lo, lo, (__m512bh)_mm512_set1_epi32(pair_lo));
-        chain_hi = _mm512_dpbf16_ps(chain_hi, hi, (__m512bh)_mm512_set1_epi32(pair_hi));
+    for (int64_t g = sg * per; g < (sg + 1) * per; ++g) {
+      const uint8_t* wg = wb + g * 256;
+      for (int q = 0; q < 8; ++q) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(wg + q * 32)));
+        // (w & 15) | 0x4000, and (w >> 4) with 4 shifted in on top: 0x4000 | (w >> 4).
+        const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, exponent, 0xEA);
+        const __m512bh hi = (__m512bh)_mm512_shrdi_epi16(w, exponent_nibble, 4);
+        for (int r = 0; r < R; ++r) {
+          const uint16_t* xg = x + r * k + g * kGroup;
+          int32_t pair_lo, pair_hi;
+          std::memcpy(&pair_lo, xg + 2 * q, 4);
+          std::memcpy(&pair_hi, xg + 16 + 2 * q, 4);
+          __m512& chain_lo = dot[r][(2 * q) % kChains];
+          __m512& chain_hi = dot[r][(2 * q + 1) % kChains];
+          chain_lo = _mm512_dpbf16_ps(chain_lo, lo, (__m512bh)_mm512_set1_epi32(pair_lo));
+          chain_hi = _mm512_dpbf16_ps(chain_hi, hi, (__m512bh)_mm512_set1_epi32(pair_hi));
+        }
       }
     }
     // bfloat16 to float32: the 16 bits on top of a zero low half.
-    const __m512i both = _mm512_loadu_si512(smb + g * 32);
+    const __m512i both = _mm512_loadu_si512(smb + sg * 2 * kBlock);
     const __m512 scale = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
     const __m512 minimum = _mm512_castsi512_ps(
@@ -304,7 +342,7 @@ void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, con
       __m512 d = dot[r][0];
       for (int c = 1; c < kChains; ++c) d = _mm512_add_ps(d, dot[r][c]);
       total[r] = _mm512_fmadd_ps(d, scale64, total[r]);
-      total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * groups + g]), total[r]);
+      total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * scale_groups + sg]), total[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, total[r]);
@@ -317,31 +355,21 @@ void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, con
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
   TORCH_CHECK(CBGEN_INT4_BF16, "int4_bf16_matmul: built without AVX512-BF16 and VBMI2");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [m, k]");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 8 && packed.size(3) == 32 &&
-                  packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "int4_bf16_matmul: packed must be int4_bf16_pack's uint8 [n / 16, k / 32, 8, 32]");
+  const int64_t group = check_4bit_inputs("int4_bf16_matmul", x, packed, {8, 32}, scales_minima);
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(groups * kGroup == k, "int4_bf16_matmul: k does not match the packed weights");
-  TORCH_CHECK(scales_minima.scalar_type() == at::kBFloat16 && scales_minima.is_contiguous() &&
-                  scales_minima.numel() == blocks * groups * 2 * kBlock,
-              "int4_bf16_matmul: scales and minima must be bfloat16 [n / 16, k / 32, 32]");
+  const int64_t scale_groups = scales_minima.size(1), per = group / kGroup;
   const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
   auto out = at::empty({m, n}, x.options());
 #if CBGEN_INT4_BF16
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  std::vector<float> sums(m * groups);
-  for (int64_t row = 0; row < m; ++row) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        s += c10::detail::f32_from_bits(xp[row * k + g * kGroup + i]);
-      }
-      sums[row * groups + g] = s;
+  std::vector<float> sums(m * scale_groups);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      group_sums(xp + row * k, k, group, sums.data() + row * scale_groups);
     }
-  }
+  });
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
@@ -349,16 +377,16 @@ at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
     float acc[4 * kBlock];
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = w + b * groups * 256;
-      const uint16_t* smb = sm + b * groups * 2 * kBlock;
+      const uint16_t* smb = sm + b * scale_groups * 2 * kBlock;
       for (int64_t row = 0; row < m; row += 4) {
         const int64_t rows = std::min<int64_t>(4, m - row);
         const uint16_t* xr = xp + row * k;
-        const float* sr = sums.data() + row * groups;
+        const float* sr = sums.data() + row * scale_groups;
         switch (rows) {
-          case 1: int4_bf16_block<1>(wb, smb, groups, xr, k, sr, acc); break;
-          case 2: int4_bf16_block<2>(wb, smb, groups, xr, k, sr, acc); break;
-          case 3: int4_bf16_block<3>(wb, smb, groups, xr, k, sr, acc); break;
-          default: int4_bf16_block<4>(wb, smb, groups, xr, k, sr, acc); break;
+          case 1: int4_bf16_block<1>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+          case 2: int4_bf16_block<2>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+          case 3: int4_bf16_block<3>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+          default: int4_bf16_block<4>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
         }
         for (int64_t r = 0; r < rows; ++r) {
           at::BFloat16* yr = y + (row + r) * n + b * kBlock;
