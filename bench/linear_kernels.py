@@ -6,7 +6,7 @@ For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloa
 cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 4 rows), weight-only int8 (with
 cbgen's few-row kernel, and ``int8-torch``: torch's kernel at every row count), 4-bit
 (cbgen's bfloat16 kernel, and ``int4-torch``: torch's) and 4-bit with int8 activations
-(``w4a8``)) it builds the model's layer maps with q/k/v and
+(``w4a8``); ``int4-g64``, ``int4-g128``: 4-bit in larger groups) it builds the model's layer maps with q/k/v and
 gate/up fused as the fast decoder runs them, one set of distinct weights per layer
 (so one row reads its weights from memory, as a real decode step does, instead of
 from a cache a repeated small matrix would stay in), plus the LM head, and reports
@@ -55,18 +55,19 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
         dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         w = weight.to(dtype)
         return (lambda x: F.linear(x, w)), w.numel() * w.element_size(), dtype
-    if kind == "bf16-rows":  # cbgen's AVX512-BF16 kernel for up to 4 rows, plain weights
+    if kind == "bf16-rows":  # cbgen's AVX512-BF16 or AVX2 kernel, up to 4 rows, plain weights
         w = weight.to(torch.bfloat16).contiguous()
         native = decode_kernel()
         assert native is not None and rows <= 4, "bf16-rows: native kernels, at most 4 rows"
         return (lambda x: native.bf16_rows_matmul(x, w)), w.numel() * 2, torch.bfloat16
-    if kind in ("fp32-packed", "bf16-packed"):
+    if kind in ("fp32-packed", "bf16-packed"):  # bf16: plain weights where oneDNN has none
         dtype = torch.float32 if kind == "fp32-packed" else torch.bfloat16
         packed = PackedMap(weight.to(dtype), None, rows)
         return packed, weight.numel() * torch.empty((), dtype=dtype).element_size(), dtype
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data = weight
-    module = QuantizedLinear.from_linear(linear, kind.removesuffix("-torch"))
+    mode, _, group = kind.removesuffix("-torch").partition("-g")  # int4-g128: groups of 128
+    module = QuantizedLinear.from_linear(linear, mode, int(group or 32))
     linear_map = module.kernel()
     if kind == "int8-torch":  # torch's own int8 kernel at every row count
         linear_map.rows_limit = 0
@@ -75,7 +76,7 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
             _unpack_nibbles(module.codes),
             module.scales,
             module.minima,
-            32,
+            module.group_size,
             None,
             use_native_kernels=False,
         )
@@ -123,6 +124,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         for kind in args.kinds.split(","):
+            if kind == "bf16-rows" and rows > 4:
+                continue  # the row kernel takes 1 to 4 rows
             r = measure(kind, config, rows, args.repeats)
             print(
                 f"| {kind} | {rows} | {r['ms']:.1f} | {r['mb']:.0f} | {r['gbs']:.1f} | "

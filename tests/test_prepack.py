@@ -29,6 +29,7 @@ from cbgen.executor.cpu.prepack import (
     ROW_COPY_ENV,
     PackedLinears,
     file_backed_ranges,
+    onednn_packs,
     packed_linear,
     page_out,
     prepack_enabled_by_default,
@@ -253,7 +254,7 @@ def test_packing_a_file_backed_model_releases_its_original_weights(smollm2):
 
 needs_row_kernel = pytest.mark.skipif(
     decode_kernel() is None or not decode_kernel().bf16_rows_available(),
-    reason="no native bf16 row kernel (AVX512-BF16) here",
+    reason="no native bf16 row kernel (AVX512-BF16 or AVX2) here",
 )
 
 
@@ -284,7 +285,11 @@ def test_bf16_row_kernel_is_the_product_to_one_rounding(
 @needs_row_kernel
 def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypatch):
     """With the row copy, 1-4 rows are the row kernel's output and 5 or more oneDNN's,
-    bit for bit; without it (``CBGEN_BF16_ROW_COPY=0``) every call is oneDNN's."""
+    bit for bit; without it (``CBGEN_BF16_ROW_COPY=0``) every call is oneDNN's. Where
+    oneDNN cannot pack bfloat16 (an AVX2-only CPU) the plain weight serves both: the row
+    kernel, then ``F.linear``."""
+    if not onednn_packs(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bfloat16 on this CPU: see the plain-weight test")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 40)).to(torch.bfloat16)
     monkeypatch.setenv(ROW_COPY_ENV, "1")
@@ -308,6 +313,35 @@ def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypat
     x = torch.randn(1, 96).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(model[0](x), packed_linear(x, linear_map.packed, model[0].bias))
+    packed.restore()
+
+
+@needs_row_kernel
+@pytest.mark.parametrize("row_copy", ["0", "1"])
+def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch, row_copy):
+    """An AVX2-only CPU (oneDNN packs no bfloat16 there; forced here on any CPU) still
+    serves bfloat16 maps, fused as elsewhere: 1-4 rows on the row kernel and more on
+    the one plain copy widened to float32 (``widened_linear``), bit for bit, whatever the
+    row-copy setting; that is the float32 product to one bfloat16 rounding."""
+    monkeypatch.setattr(prepack, "onednn_packs", lambda dtype: dtype is not torch.bfloat16)
+    monkeypatch.setenv(ROW_COPY_ENV, row_copy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 40)).to(torch.bfloat16)
+    packed = PackedLinears(model, dtype=torch.bfloat16)
+    linear_map = packed.packed_weight(model[0])
+    assert len(packed) == 2 and linear_map.packed is None
+    with torch.inference_mode():
+        for rows in (1, 4, 5, 64):
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            got = model[0](x)
+            if rows <= prepack.ROW_KERNEL_ROWS:
+                want = decode_kernel().bf16_rows_matmul(x, linear_map.weight, model[0].bias)
+            else:
+                want = prepack.widened_linear(x, linear_map.weight, model[0].bias)
+                exact = F.linear(x.float(), model[0].weight.float(), model[0].bias.float())
+                # float32 sums in MKL's order: one bfloat16 rounding apart at most
+                torch.testing.assert_close(want.float(), exact, rtol=2**-8, atol=1e-6)
+            assert torch.equal(got, want)
     packed.restore()
 
 

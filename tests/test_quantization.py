@@ -302,6 +302,9 @@ def test_load_model_takes_a_4bit_group_size():
         cbgen.load_model("smollm2", quantization="w4a8", quantization_group_size=128)
     with pytest.raises(ValueError, match="one of"):
         cbgen.load_model("smollm2", quantization="int4", quantization_group_size=48)
+    # 128 does not divide SmolLM2's 576 columns: refused, not left unquantized
+    with pytest.raises(ValueError, match="does not divide the 576 input columns"):
+        cbgen.load_model("smollm2", quantization="int4", quantization_group_size=128)
     parser = argparse.ArgumentParser()
     add_precision_arguments(parser)
     args = parser.parse_args(["--quantization", "int4", "--quantization-group-size", "128"])

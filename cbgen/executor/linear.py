@@ -66,7 +66,10 @@ class OneDnnFp32Linear(OneDnnPackedLinear):
 
 class OneDnnBf16Linear(OneDnnPackedLinear):
     """bfloat16 weights: oneDNN's AVX512_BF16 GEMMs with float32 accumulation (on CPUs
-    without it oneDNN still runs them, more slowly)."""
+    without AVX512-BF16 oneDNN still runs them, more slowly). On CPUs where oneDNN cannot
+    pack bfloat16 at all (no AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2-only ones) the maps
+    keep plain weights: cbgen's AVX2 row kernel for a few rows, ``F.linear`` for more,
+    with the same fusion."""
 
     name = "onednn-bf16-prepacked"
     dtype = torch.bfloat16

@@ -58,6 +58,17 @@ def prepack_supported() -> bool:
     )
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack ``dtype`` weights on this CPU. bfloat16 needs AVX512-BW/VL/
+    DQ or AVX-NE-CONVERT (``_is_mkldnn_bf16_supported``): on an AVX2-only CPU (AMD Zen 2
+    and 3, Intel client cores) the reorder raises, so ``PackedMap`` keeps such weights
+    plain there."""
+    if dtype is not torch.bfloat16:
+        return True
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else True
+
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -99,6 +110,10 @@ class PackedMap(LinearMap):
     there oneDNN read SmolLM2's weights at ~20 GB/s and the 1B shape's at ~25, the
     row kernel at ~31 (``bench/linear_kernels.py --kinds bf16-packed,bf16-rows``).
     More rows go to oneDNN, whose blocked GEMMs win at batch sizes.
+
+    Where oneDNN cannot pack the dtype (bfloat16 on an AVX2-only CPU: ``onednn_packs``)
+    the map holds the plain weight alone (``packed`` is None): the row kernel's AVX2
+    build for a few rows, ``widened_linear`` for more.
     """
 
     def __init__(
@@ -110,16 +125,21 @@ class PackedMap(LinearMap):
     ) -> None:
         self.dtype = weight.dtype
         self.out_features = int(weight.shape[0])
-        self.packed = pack_weight(weight, hint)
+        self.packed = pack_weight(weight, hint) if onednn_packs(weight.dtype) else None
         self.bias = bias
+        plain = self.packed is None
         self.rows_kernel = (
-            _bf16_rows_kernel() if row_copy and weight.dtype is torch.bfloat16 else None
+            _bf16_rows_kernel() if (row_copy or plain) and weight.dtype is torch.bfloat16 else None
         )
-        self.weight = weight.detach().contiguous() if self.rows_kernel is not None else None
+        keep = plain or self.rows_kernel is not None
+        self.weight = weight.detach().contiguous() if keep else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and x.dim() == 2 and 0 < x.shape[0] <= ROW_KERNEL_ROWS:
+        few = x.dim() == 2 and 0 < x.shape[0] <= ROW_KERNEL_ROWS
+        if self.rows_kernel is not None and few:
             out = self.rows_kernel.bf16_rows_matmul(x, self.weight, self.bias)
+        elif self.packed is None:
+            out = widened_linear(x, self.weight, self.bias)
         else:
             out = packed_linear(x, self.packed, self.bias)
         if self.lora is not None:
@@ -128,6 +148,32 @@ class PackedMap(LinearMap):
 
     def accepts(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype
+
+
+# Weight bytes widened to float32 at a time by widened_linear (cache-sized chunks).
+WIDEN_CHUNK_BYTES = 8 << 20
+
+
+def widened_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` of bfloat16 ``x`` and ``weight`` computed in float32, a cache-sized
+    chunk of weight rows widened at a time, rounded once to ``x``'s dtype (the bias
+    added before, as oneDNN does).
+
+    Where oneDNN has no bfloat16 (AVX2-only CPUs) torch's own bfloat16 GEMM is slow:
+    SmolLM2's layer maps at 64 rows took 696 ms a step on an AMD EPYC (2 threads)
+    against 194 ms widened to float32, at 256 rows 2,762 against 454.
+    """
+    xf = x.reshape(-1, x.shape[-1]).float()
+    out = torch.empty(xf.shape[0], weight.shape[0], dtype=torch.float32)
+    step = max(16, WIDEN_CHUNK_BYTES // (4 * max(1, weight.shape[1])))
+    for start in range(0, weight.shape[0], step):
+        end = min(weight.shape[0], start + step)
+        torch.mm(xf, weight[start:end].float().t(), out=out[:, start:end])
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 # The most rows cbgen's bf16 row kernel takes (a decode step of up to 4 sequences).
@@ -139,7 +185,8 @@ ROW_COPY_MEMORY_SHARE = 1 / 8
 
 
 def _bf16_rows_kernel() -> Any:
-    """cbgen's native module where it has the AVX512-BF16 row kernel, else None."""
+    """cbgen's native module where it has the bf16 row kernel (AVX512-BF16 or AVX2), else
+    None."""
     from .kernels import decode_kernel
 
     kernel = decode_kernel()

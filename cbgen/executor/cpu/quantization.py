@@ -397,6 +397,25 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
         return None
 
 
+def _check_group_divides(
+    model: nn.Module, mode: str, head_mode: str, head: nn.Module | None, group_size: int
+) -> None:
+    """Refuse, before touching the model, a 4-bit group that would leave maps
+    unquantized which groups of 32 take (SmolLM2's 576 columns and 128, say)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
+            continue
+        module_mode = head_mode if module is head else mode
+        if not plain_linear(module) or module_mode not in FOUR_BIT_MODES:
+            continue
+        if not _shape_ok(module, module_mode, group_size) and _shape_ok(module, module_mode, 32):
+            raise ValueError(
+                f"group_size {group_size} does not divide the {module.in_features} input "
+                f"columns of {name}: take a group that does (32 does), or it would stay "
+                "unquantized"
+            )
+
+
 def _shape_ok(linear: nn.Linear, mode: str, group_size: int) -> bool:
     if mode in FOUR_BIT_MODES:
         # torch's 4-bit CPU layout: input columns in whole groups, outputs in blocks of 16.
@@ -431,6 +450,8 @@ def quantize_model(
     if "w4a8" in (mode, head_mode) and group_size != 32:
         raise ValueError(f"w4a8 quantizes activations per group of 32, got group_size {group_size}")
     head = _output_embeddings(model)
+    if group_size != 32:
+        _check_group_divides(model, mode, head_mode, head, group_size)
     replaced = 0
     skipped: list[str] = []
     # Weights loaded from safetensors are views of the mapped file: each one read to make
