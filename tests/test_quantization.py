@@ -405,17 +405,61 @@ def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, group
 
 
 @needs_kernel
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 7),
+    blocks=st.integers(1, 4),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([32, 64, 128, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_avx2_kernel_is_the_dequantized_product(rows, blocks, groups, group, seed):
+    """int4 on AVX2 (``vpmaddwd`` on int16 activations, int4_bf16_pack's layout) against
+    the float64 product: within the output's bfloat16 rounding, float32 sums, and each
+    activation's int16 rounding (half a step, the group's largest magnitude over 32767)
+    times its weights. Odd row counts (the kernel takes rows in pairs), outlier and
+    all-zero groups, negative minima."""
+    if not decode_kernel().int4_avx2_available():
+        pytest.skip("not an AVX2-only build: int4 runs int4_bf16_matmul or torch's kernel")
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = 16 * blocks, group * groups
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    codes = codes.to(torch.uint8)
+    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
+    minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
+    x = torch.randn(rows, in_features, generator=generator)
+    x[:, :32] *= 100  # an outlier
+    x[0] = 0.0
+    x = x.to(torch.bfloat16)
+    packed, scales_minima = decode_kernel().int4_bf16_pack(codes, scales, minima)
+    got = decode_kernel().int4_avx2_matmul(x, packed, scales_minima).double()
+    s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
+    weight = (codes.double().view(out_features, groups, group) * s + m).view(out_features, -1)
+    xd = x.double()
+    want = xd @ weight.t()
+    step = xd.view(rows, groups, group).abs().amax(-1, keepdim=True) / 32767
+    rounding = (step / 2).expand(-1, -1, group).reshape(rows, -1) @ weight.abs().t()
+    magnitude = xd.abs() @ weight.abs().t()
+    bound = 2**-8 * want.abs() + 2**-20 * magnitude + 1.01 * rounding
+    assert bool(((got - want).abs() <= bound).all())
+    assert bool((got[0] == 0).all())
+
+
+@needs_kernel
 @pytest.mark.parametrize("group", [64, 128])
 def test_int4_maps_take_cbgens_kernel_at_larger_groups(group):
     """A map quantized per group of 64 or 128 columns runs int4's own kernel where it is
     built (torch's elsewhere) and gives torch's kernel's product to bfloat16 rounding;
     the packs refuse scales that do not span whole groups of 32, and w4a8's any group
     but 32."""
-    native = decode_kernel().int4_bf16_available()
+    kernel = decode_kernel()
+    native = (
+        "bf16" if kernel.int4_bf16_available() else "avx2" if kernel.int4_avx2_available() else None
+    )
     torch.manual_seed(5)
     linear = nn.Linear(256, 48, bias=True)
     module = QuantizedLinear.from_linear(linear, "int4", group)
-    assert module.kernel().path == ("bf16" if native else "torch") and module.group_size == group
+    assert module.kernel().path == (native or "torch") and module.group_size == group
     codes, scales, minima = quantize_int4(linear.weight, group)
     torch_map = Int4Map(codes, scales, minima, group, linear.bias, use_native_kernels=False)
     assert torch_map.path == "torch"
@@ -424,7 +468,6 @@ def test_int4_maps_take_cbgens_kernel_at_larger_groups(group):
         got, want = module(x).float(), torch_map(x).float()
     assert _relative_error(got, want) < 2**-6
     assert _relative_error(got, _reference(module, x.float())) < 2**-6
-    kernel = decode_kernel()
     with pytest.raises(RuntimeError, match="group"):
         three = torch.rand(48, 3)  # 256 columns in 3 scale groups: not whole groups of 32
         kernel.int4_bf16_pack(codes, three, three)

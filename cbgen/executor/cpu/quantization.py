@@ -290,7 +290,7 @@ class Int8Map(_QuantizedMap):
 class Int4Map(_QuantizedMap):
     """4-bit weights, a scale and a minimum per group of ``group_size`` input columns.
 
-    Three kernels, by ``path``:
+    Four kernels, by ``path``:
 
     * ``"bf16"`` (``int4``, where cbgen's kernels have AVX512-BF16 and VBMI2; groups
       of 32, 64, 128 or 256): ``int4_bf16_matmul`` turns each code into an exact bfloat16
@@ -302,6 +302,11 @@ class Int4Map(_QuantizedMap):
       ``int4_vnni_matmul`` quantizes each row's activations to int8 per group of 32, as
       llama.cpp's Q4 kernels do, and ``vpdpbusd`` multiplies 64 codes by 64 activations
       in one instruction.
+    * ``"avx2"`` (``int4`` and ``w4a8`` on CPUs with AVX2 and FMA but no AVX-512:
+      AMD Zen 2 and 3, Intel client cores): ``int4_avx2_matmul`` on ``int4_bf16_pack``'s
+      layout rounds each row's activations to int16 per group (2^-15 of its largest
+      magnitude, far below bfloat16's own rounding) and ``vpmaddwd`` makes exact int32
+      sums of codes times activations.
     * ``"torch"`` (anything else, or ``use_native_kernels=False``):
       ``torch._weight_int4pack_mm_for_cpu`` on codes packed by torch for it, with
       ``[groups, out, 2]`` scales and offsets (torch's formula is ``(q - 8) * scale +
@@ -330,7 +335,7 @@ class Int4Map(_QuantizedMap):
         self.native: Any = _native_4bit(codes, group_size) if use_native_kernels else None
         self.path = _four_bit_path(self.native, int8_activations, group_size)
         if self.native is not None and self.path != "torch":
-            pack = self.native.int4_bf16_pack if self.path == "bf16" else self.native.int4_vnni_pack
+            pack = self.native.int4_vnni_pack if self.path == "vnni" else self.native.int4_bf16_pack
             self.packed, self.scales_minima = pack(codes, scales.float(), minima.float())
             return
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -344,6 +349,8 @@ class Int4Map(_QuantizedMap):
             return self.native.int4_bf16_matmul(x, self.packed, self.scales_minima)
         if self.path == "vnni":
             return self.native.int4_vnni_matmul(x, self.packed, self.scales_minima)
+        if self.path == "avx2":
+            return self.native.int4_avx2_matmul(x, self.packed, self.scales_minima)
         return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_offsets
         )
@@ -366,7 +373,8 @@ def _native_4bit(codes: torch.Tensor, group_size: int) -> Any:
 
 
 def _four_bit_path(native: Any, int8_activations: bool, group_size: int) -> str:
-    """Which kernel a 4-bit map runs: ``"vnni"`` (w4a8), ``"bf16"`` (int4) or ``"torch"``."""
+    """Which kernel a 4-bit map runs: ``"vnni"`` (w4a8), ``"bf16"`` (int4), ``"avx2"``
+    (int4 on AVX2-only CPUs) or ``"torch"``."""
     global _vnni_warned
     vnni = native is not None and group_size == 32 and native.int4_vnni_available()
     if int8_activations and vnni:
@@ -380,9 +388,11 @@ def _four_bit_path(native: Any, int8_activations: bool, group_size: int) -> str:
             if group_size == 32
             else f"groups of {group_size}, not 32"
         )
-        logger.warning("cbgen: w4a8 runs the int4 kernel, bfloat16 activations (%s)", why)
+        logger.warning("cbgen: w4a8 runs the int4 kernel (%s)", why)
     if native is not None and native.int4_bf16_available():
         return "bf16"
+    if native is not None and native.int4_avx2_available():
+        return "avx2"
     return "torch"
 
 

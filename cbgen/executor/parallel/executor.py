@@ -97,6 +97,7 @@ class TensorParallelExecutor(ModelExecutor):
         self.world = world
         self.failure: str | None = None
         self._workers: list[tuple[BaseProcess, Connection]] = []
+        self._mid_step = False  # workers inside a step's collectives (prepare to forward)
         self.group: RankGroup | None = None
         cpus = rank_cpus(world, threads_per_rank)
         store = RankGroup.listen(world, timeout_s)
@@ -212,6 +213,9 @@ class TensorParallelExecutor(ModelExecutor):
 
     def prepare(self, scheduled: SchedulerOutput) -> StepBatch:
         self._broadcast("step", scheduled)
+        # Until forward returns the workers are in this step's collectives, waiting on
+        # this rank: a close in between (Ctrl-C) cannot expect them to answer.
+        self._mid_step = True
         return super().prepare(scheduled)
 
     def forward(
@@ -219,9 +223,11 @@ class TensorParallelExecutor(ModelExecutor):
     ) -> torch.Tensor:
         self._check()
         try:
-            return super().forward(batch, previous)
+            logits = super().forward(batch, previous)
         except Exception as exc:
             raise self._failed(exc) from exc
+        self._mid_step = False
+        return logits
 
     def copy_blocks(
         self, swap_out: Sequence[BlockMove], swap_in: Sequence[BlockMove]
@@ -343,14 +349,16 @@ class TensorParallelExecutor(ModelExecutor):
         return None
 
     def _stop_workers(self) -> None:
-        """Close every worker; terminate, then kill, any that does not exit."""
+        """Close every worker; terminate, then kill, any that does not exit. Workers left
+        inside a step (this rank interrupted in it) wait in a collective that will not
+        complete, so they are terminated at once instead of after ``_CLOSE_WAIT_S``."""
         workers, self._workers = self._workers, []
         for _, conn in workers:
             try:
                 conn.send(("close", None))
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + _CLOSE_WAIT_S
+        deadline = time.monotonic() + (0.0 if self._mid_step else _CLOSE_WAIT_S)
         for process, conn in workers:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():

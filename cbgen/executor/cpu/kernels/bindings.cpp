@@ -23,6 +23,9 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
 bool int4_bf16_available();
 std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima);
+bool int4_avx2_available();
+at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales_minima);
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
 int64_t int8_rows_limit();
@@ -60,6 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("scales"), py::arg("minima"));
   m.def("int4_bf16_matmul", &int4_bf16_matmul,
         "bfloat16 [m, k] x 4-bit weights, bfloat16 products, float32 sums (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("scales_minima"));
+  m.def("int4_avx2_available", &int4_avx2_available,
+        "whether int4_avx2_matmul was compiled (AVX2 and FMA, no AVX-512 BF16)");
+  m.def("int4_avx2_matmul", &int4_avx2_matmul,
+        "bfloat16 [m, k] x int4_bf16_pack's 4-bit weights, int16 activations per group (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("scales_minima"));
   m.def("int8_rows_limit", &int8_rows_limit,
         "the most rows to give int8_rows_matmul (0: built without its vector path)");

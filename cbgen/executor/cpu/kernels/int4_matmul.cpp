@@ -30,8 +30,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define CBGEN_INT4_VNNI 1
 #else
 #define CBGEN_INT4_VNNI 0
@@ -387,6 +390,166 @@ at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
           case 2: int4_bf16_block<2>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
           case 3: int4_bf16_block<3>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
           default: int4_bf16_block<4>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          at::BFloat16* yr = y + (row + r) * n + b * kBlock;
+          for (int64_t c = 0; c < kBlock; ++c) yr[c] = static_cast<at::BFloat16>(acc[r * kBlock + c]);
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// 4-bit weights times bfloat16 activations on AVX2 with FMA (AMD Zen 2 and 3, Intel
+// client cores), no AVX-512: int4_bf16_pack's layout, int16 activations.
+//
+// torch's 4-bit kernel read SmolLM2's weights at ~8 GB/s there, a quarter of what the
+// machine streams. AVX2 has no bfloat16 products, so each row's activations are
+// rounded to int16 per scale group (a step of the group's largest magnitude over 32767,
+// about 2^-15 of it, where bfloat16 itself rounds each value to 2^-9 of its own
+// magnitude, as int8_rows_matmul does), and `vpmaddwd` multiplies 16 codes by 16 int16
+// activations and adds adjacent pairs into exact int32 sums. In int4_bf16_pack's layout
+// one 16-byte half of a pair's 32 bytes is 8 rows x 2 adjacent k, so zero-extending it
+// to words puts row r's two codes in 32-bit lane r, against a 32-bit broadcast of the
+// two activations, with no shuffles:
+//
+//   y[m, n] = sum_g scale[n, g] * step[m, g] * sum_k code[n, k] * xq[m, k]
+//           + minimum[n, g] * S[m, g]
+//
+// with S the exact float32 sum of the group's activations.
+#if !CBGEN_INT4_BF16 && defined(__AVX2__) && defined(__FMA__)
+#define CBGEN_INT4_AVX2 1
+#else
+#define CBGEN_INT4_AVX2 0
+#endif
+
+bool int4_avx2_available() { return CBGEN_INT4_AVX2 != 0; }
+
+namespace {
+
+#if CBGEN_INT4_AVX2
+// One row of bfloat16 activations as int16 per group of `group` columns and each
+// group's step (its largest magnitude over 32767; a group of zeros or denormals gets
+// no codes).
+void quantize_row16(const uint16_t* x, int64_t k, int64_t group, int16_t* xq, float* steps) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < group; ++i)
+      amax = std::max(amax, std::fabs(c10::detail::f32_from_bits(x[g * group + i])));
+    const float step = amax / 32767.f;
+    const float inv = step >= FLT_MIN ? 1.f / step : 0.f;
+    for (int64_t i = 0; i < group; ++i) {
+      xq[g * group + i] = static_cast<int16_t>(
+          std::nearbyint(c10::detail::f32_from_bits(x[g * group + i]) * inv));
+    }
+    steps[g] = step;
+  }
+}
+
+inline __m256 bf16x8(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// R rows of int16 activations (xq, row stride k; steps and sums, row stride
+// scale_groups) against one block of 16 output rows (two halves of 8); out gets R x 16
+// float32. At most 256 products of 15 * 32767 add up in a lane per scale group: exact.
+template <int R>
+void int4_avx2_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_groups, int64_t per,
+                     const int16_t* xq, int64_t k, const float* steps, const float* sums,
+                     float* out) {
+  const __m256i low = _mm256_set1_epi16(15);
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t sg = 0; sg < scale_groups; ++sg) {
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int64_t g = sg * per; g < (sg + 1) * per; ++g) {
+      const uint8_t* wg = wb + g * 256;
+      for (int q = 0; q < 8; ++q) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + q * 32 + h * 16)));
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_srli_epi16(v, 4);
+          for (int r = 0; r < R; ++r) {
+            const int16_t* xg = xq + r * k + g * kGroup;
+            int32_t pair_lo, pair_hi;
+            std::memcpy(&pair_lo, xg + 2 * q, 4);
+            std::memcpy(&pair_hi, xg + 16 + 2 * q, 4);
+            dot[r][h] = _mm256_add_epi32(dot[r][h],
+                                         _mm256_madd_epi16(lo, _mm256_set1_epi32(pair_lo)));
+            dot[r][h] = _mm256_add_epi32(dot[r][h],
+                                         _mm256_madd_epi16(hi, _mm256_set1_epi32(pair_hi)));
+          }
+        }
+      }
+    }
+    const uint16_t* smg = smb + sg * 2 * kBlock;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale =
+          bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(smg + 8 * h)));
+      const __m256 minimum =
+          bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(smg + kBlock + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        total[r][h] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(dot[r][h]),
+            _mm256_mul_ps(scale, _mm256_set1_ps(steps[r * scale_groups + sg])), total[r][h]);
+        total[r][h] =
+            _mm256_fmadd_ps(minimum, _mm256_set1_ps(sums[r * scale_groups + sg]), total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kBlock, total[r][0]);
+    _mm256_storeu_ps(out + r * kBlock + 8, total[r][1]);
+  }
+}
+#endif
+
+}  // namespace
+
+// x: bfloat16 [m, k]; packed, scales_minima: int4_bf16_pack's; returns bfloat16 [m, n].
+at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales_minima) {
+  TORCH_CHECK(CBGEN_INT4_AVX2, "int4_avx2_matmul: built without AVX2 and FMA, or with AVX-512 "
+              "(int4_bf16_matmul serves there)");
+  const int64_t group = check_4bit_inputs("int4_avx2_matmul", x, packed, {8, 32}, scales_minima);
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  const int64_t scale_groups = scales_minima.size(1), per = group / kGroup;
+  const int64_t n = blocks * kBlock;
+  auto xc = x.contiguous();
+  auto out = at::empty({m, n}, x.options());
+#if CBGEN_INT4_AVX2
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<int16_t> xq(m * k);
+  std::vector<float> steps(m * scale_groups), sums(m * scale_groups);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      quantize_row16(xp + row * k, k, group, xq.data() + row * k,
+                     steps.data() + row * scale_groups);
+      group_sums(xp + row * k, k, group, sums.data() + row * scale_groups);
+    }
+  });
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    float acc[2 * kBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* wb = w + b * groups * 256;
+      const uint16_t* smb = sm + b * scale_groups * 2 * kBlock;
+      for (int64_t row = 0; row < m; row += 2) {
+        const int64_t rows = std::min<int64_t>(2, m - row);
+        const int16_t* xr = xq.data() + row * k;
+        const float* st = steps.data() + row * scale_groups;
+        const float* su = sums.data() + row * scale_groups;
+        if (rows == 2) {
+          int4_avx2_block<2>(wb, smb, scale_groups, per, xr, k, st, su, acc);
+        } else {
+          int4_avx2_block<1>(wb, smb, scale_groups, per, xr, k, st, su, acc);
         }
         for (int64_t r = 0; r < rows; ++r) {
           at::BFloat16* yr = y + (row + r) * n + b * kBlock;
