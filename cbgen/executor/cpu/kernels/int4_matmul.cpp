@@ -459,12 +459,17 @@ template <int R>
 void int4_avx2_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_groups, int64_t per,
                      const int16_t* xq, int64_t k, const float* steps, const float* sums,
                      float* out) {
+  // One row keeps the low and high nibbles' sums apart (4 chains of adds, not 2); two
+  // rows are chains enough, and 16 registers do not hold more.
+  constexpr int kChains = R == 1 ? 2 : 1;
   const __m256i low = _mm256_set1_epi16(15);
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
   for (int64_t sg = 0; sg < scale_groups; ++sg) {
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    __m256i dot[R][2][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < kChains; ++c) dot[r][h][c] = _mm256_setzero_si256();
     for (int64_t g = sg * per; g < (sg + 1) * per; ++g) {
       const uint8_t* wg = wb + g * 256;
       for (int q = 0; q < 8; ++q) {
@@ -478,10 +483,10 @@ void int4_avx2_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_group
             int32_t pair_lo, pair_hi;
             std::memcpy(&pair_lo, xg + 2 * q, 4);
             std::memcpy(&pair_hi, xg + 16 + 2 * q, 4);
-            dot[r][h] = _mm256_add_epi32(dot[r][h],
-                                         _mm256_madd_epi16(lo, _mm256_set1_epi32(pair_lo)));
-            dot[r][h] = _mm256_add_epi32(dot[r][h],
-                                         _mm256_madd_epi16(hi, _mm256_set1_epi32(pair_hi)));
+            __m256i& sum_lo = dot[r][h][0];
+            __m256i& sum_hi = dot[r][h][kChains - 1];
+            sum_lo = _mm256_add_epi32(sum_lo, _mm256_madd_epi16(lo, _mm256_set1_epi32(pair_lo)));
+            sum_hi = _mm256_add_epi32(sum_hi, _mm256_madd_epi16(hi, _mm256_set1_epi32(pair_hi)));
           }
         }
       }
@@ -493,8 +498,10 @@ void int4_avx2_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_group
       const __m256 minimum =
           bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(smg + kBlock + 8 * h)));
       for (int r = 0; r < R; ++r) {
+        __m256i sum = dot[r][h][0];
+        if (kChains == 2) sum = _mm256_add_epi32(sum, dot[r][h][kChains - 1]);
         total[r][h] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(dot[r][h]),
+            _mm256_cvtepi32_ps(sum),
             _mm256_mul_ps(scale, _mm256_set1_ps(steps[r * scale_groups + sg])), total[r][h]);
         total[r][h] =
             _mm256_fmadd_ps(minimum, _mm256_set1_ps(sums[r * scale_groups + sg]), total[r][h]);
