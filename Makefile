@@ -3,6 +3,9 @@ PY := $(VENV)/bin/python
 # `make run` installs what running needs; `make test` adds the test, docs, bench, eval and Ray extras.
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+# Two pytest-xdist workers, a test file each at a time (its module fixtures stay shared);
+# tests/conftest.py gives each worker one core's torch threads. PYTEST_WORKERS= runs serially.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: run test test-all setup docs clean bench
 
@@ -35,7 +38,7 @@ test: $(TEST_STAMP)
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q $(PYTEST_WORKERS) --durations=20
 
 docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
@@ -44,7 +47,7 @@ bench: $(TEST_STAMP)
 	$(PY) -m cbgen bench
 
 test-all: $(TEST_STAMP)
-	$(PY) -m pytest -q -m ''
+	$(PY) -m pytest -q $(PYTEST_WORKERS) -m ''
 
 clean:
 	rm -rf $(VENV) site

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`make test` runs two workers) each worker takes one core's share.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 COMMON = dict(
     vocab_size=256,
