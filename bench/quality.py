@@ -39,9 +39,14 @@ MODES: dict[str, tuple[torch.dtype, str | None, torch.dtype | None, str | None]]
     "int8 (bf16 activations)": (torch.bfloat16, "int8", None, None),
     "int4 (bf16 activations)": (torch.bfloat16, "int4", None, None),
     "int4 + 4-bit LM head": (torch.bfloat16, "int4", None, "int4"),
+    "int4 in groups of 64": (torch.bfloat16, "int4", None, None),
     "w4a8 (int8 activations)": (torch.bfloat16, "w4a8", None, None),
     "w4a8 + w4a8 LM head": (torch.bfloat16, "w4a8", None, "w4a8"),
 }
+
+
+# Modes whose 4-bit groups are not 32 columns (SmolLM2's 576 take 32 or 64).
+GROUP_SIZES = {"int4 in groups of 64": 64}
 
 
 def read_text(path: Path = TEXT) -> str:
@@ -62,6 +67,7 @@ def measure(
         dtype=dtype,
         quantization=quantization,
         lm_head_quantization=head,
+        quantization_group_size=GROUP_SIZES.get(name, 32),
         tokenizer=False,
     )
     config = EngineConfig(kv_cache_dtype=kv_dtype)
