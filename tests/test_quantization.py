@@ -363,6 +363,29 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     assert _relative_error(plain, want) > _relative_error(got, want)
 
 
+def _random_4bit_case(
+    rows: int, blocks: int, groups: int, group: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """Random codes, positive scales and negative minima for ``16 * blocks`` outputs and
+    ``groups`` scale groups of ``group`` columns, packed by ``int4_bf16_pack``; bfloat16
+    rows with an outlier group and a zero first row. Returns (x, packed, scales_minima,
+    the bfloat16 scales and minima as float64 [n, groups, 1], the float64 weight)."""
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = 16 * blocks, group * groups
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    codes = codes.to(torch.uint8)
+    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
+    minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
+    x = torch.randn(rows, in_features, generator=generator)
+    x[:, :32] *= 100  # an outlier
+    x[0] = 0.0
+    x = x.to(torch.bfloat16)
+    packed, scales_minima = decode_kernel().int4_bf16_pack(codes, scales, minima)
+    s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
+    weight = (codes.double().view(out_features, groups, group) * s + m).view(out_features, -1)
+    return x, packed, scales_minima, s, m, weight
+
+
 @needs_kernel
 @settings(max_examples=20, deadline=None)
 @given(
@@ -381,24 +404,12 @@ def test_int4_bf16_kernel_is_the_dequantized_product(rows, blocks, groups, group
     row tile), outlier and all-zero groups, negative minima."""
     if not decode_kernel().int4_bf16_available():
         pytest.skip("built without AVX512-BF16: int4 runs torch's kernel")
-    generator = torch.Generator().manual_seed(seed)
-    out_features, in_features = 16 * blocks, group * groups
-    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
-    codes = codes.to(torch.uint8)
-    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
-    minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
-    x = torch.randn(rows, in_features, generator=generator)
-    x[:, :32] *= 100  # an outlier
-    x[0] = 0.0
-    x = x.to(torch.bfloat16)
-    packed, scales_minima = decode_kernel().int4_bf16_pack(codes, scales, minima)
+    x, packed, scales_minima, s, m, weight = _random_4bit_case(rows, blocks, groups, group, seed)
     got = decode_kernel().int4_bf16_matmul(x, packed, scales_minima).double()
-    s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
-    weight = (codes.double().view(out_features, groups, group) * s + m).view(out_features, -1)
     want = x.double() @ weight.t()
     # The float32 sums add terms up to |x| (2 + code / 64) 64 scale and |x| |minimum|.
     per_column = (128 + 16) * s + m.abs()
-    terms = x.double().abs() @ per_column.expand(-1, -1, group).reshape(out_features, -1).t()
+    terms = x.double().abs() @ per_column.expand(-1, -1, group).reshape(16 * blocks, -1).t()
     bound = 2**-8 * want.abs() + 2**-20 * terms
     assert bool(((got - want).abs() <= bound).all())
     assert bool((got[0] == 0).all())
@@ -421,20 +432,8 @@ def test_int4_avx2_kernel_is_the_dequantized_product(rows, blocks, groups, group
     all-zero groups, negative minima."""
     if not decode_kernel().int4_avx2_available():
         pytest.skip("not an AVX2-only build: int4 runs int4_bf16_matmul or torch's kernel")
-    generator = torch.Generator().manual_seed(seed)
-    out_features, in_features = 16 * blocks, group * groups
-    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
-    codes = codes.to(torch.uint8)
-    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
-    minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
-    x = torch.randn(rows, in_features, generator=generator)
-    x[:, :32] *= 100  # an outlier
-    x[0] = 0.0
-    x = x.to(torch.bfloat16)
-    packed, scales_minima = decode_kernel().int4_bf16_pack(codes, scales, minima)
+    x, packed, scales_minima, _, _, weight = _random_4bit_case(rows, blocks, groups, group, seed)
     got = decode_kernel().int4_avx2_matmul(x, packed, scales_minima).double()
-    s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
-    weight = (codes.double().view(out_features, groups, group) * s + m).view(out_features, -1)
     xd = x.double()
     want = xd @ weight.t()
     step = xd.view(rows, groups, group).abs().amax(-1, keepdim=True) / 32767

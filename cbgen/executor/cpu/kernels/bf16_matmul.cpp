@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "simd.h"
+
 #include <cstdint>
 #include <algorithm>
 #include <vector>
@@ -71,13 +73,6 @@ inline void dot_row(const uint16_t* w, int64_t k, const uint16_t* x, float* out)
   for (int j = 0; j < M; ++j) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]));
 }
 #elif CBGEN_BF16_AVX2
-inline float hsum(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 8 bfloat16 weights as float32: the 16 bits on top of a zero low half.
 inline __m256 load8(const uint16_t* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -102,7 +97,7 @@ inline void dot_row(const uint16_t* w, int64_t k, const float* xf, float* out) {
     }
   }
   for (int j = 0; j < M; ++j) {
-    float sum = hsum(_mm256_add_ps(acc[0][j], acc[1][j]));
+    float sum = hsum256(_mm256_add_ps(acc[0][j], acc[1][j]));
     for (int64_t t = i; t < k; ++t) sum += c10::detail::f32_from_bits(w[t]) * xf[j * k + t];
     out[j] = sum;
   }

@@ -358,14 +358,15 @@ void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_group
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
   TORCH_CHECK(CBGEN_INT4_BF16, "int4_bf16_matmul: built without AVX512-BF16 and VBMI2");
-  const int64_t group = check_4bit_inputs("int4_bf16_matmul", x, packed, {8, 32}, scales_minima);
+  [[maybe_unused]] const int64_t group =
+      check_4bit_inputs("int4_bf16_matmul", x, packed, {8, 32}, scales_minima);
+  auto out = at::empty({x.size(0), packed.size(0) * kBlock}, x.options());
+#if CBGEN_INT4_BF16
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const int64_t scale_groups = scales_minima.size(1), per = group / kGroup;
   const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
-  auto out = at::empty({m, n}, x.options());
-#if CBGEN_INT4_BF16
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<float> sums(m * scale_groups);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
@@ -522,14 +523,15 @@ at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
   TORCH_CHECK(CBGEN_INT4_AVX2, "int4_avx2_matmul: built without AVX2 and FMA, or with AVX-512 "
               "(int4_bf16_matmul serves there)");
-  const int64_t group = check_4bit_inputs("int4_avx2_matmul", x, packed, {8, 32}, scales_minima);
+  [[maybe_unused]] const int64_t group =
+      check_4bit_inputs("int4_avx2_matmul", x, packed, {8, 32}, scales_minima);
+  auto out = at::empty({x.size(0), packed.size(0) * kBlock}, x.options());
+#if CBGEN_INT4_AVX2
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const int64_t scale_groups = scales_minima.size(1), per = group / kGroup;
   const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
-  auto out = at::empty({m, n}, x.options());
-#if CBGEN_INT4_AVX2
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<int16_t> xq(m * k);
   std::vector<float> steps(m * scale_groups), sums(m * scale_groups);

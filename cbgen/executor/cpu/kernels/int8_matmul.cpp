@@ -26,6 +26,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -148,13 +150,6 @@ inline void dot_rows(const int8_t* w, int64_t k, int64_t groups, const int16_t* 
     for (int j = 0; j < M; ++j) out[r * M + j] = _mm512_reduce_add_ps(total[r][j]);
 }
 #elif CBGEN_INT8_AVX2
-inline float hsum(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The AVX-512 kernel's arithmetic in 256-bit registers, with no VNNI: 32 codes widened to
 // int16 in order (vpmovsxbw, two halves), and `vpmaddwd` multiplies 16 of them by 16
 // int16 activations and adds pairs into exact int32 sums (at most 32 products of 127 *
@@ -206,7 +201,7 @@ inline void dot_rows(const int8_t* w, int64_t k, int64_t groups, const int16_t* 
     }
   }
   for (int r = 0; r < N; ++r)
-    for (int j = 0; j < M; ++j) out[r * M + j] = hsum(total[r][j]);
+    for (int j = 0; j < M; ++j) out[r * M + j] = hsum256(total[r][j]);
 }
 #else
 template <int N, int M, int C>
