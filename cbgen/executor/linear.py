@@ -68,8 +68,8 @@ class OneDnnBf16Linear(OneDnnPackedLinear):
     """bfloat16 weights: oneDNN's AVX512_BF16 GEMMs with float32 accumulation (on CPUs
     without AVX512-BF16 oneDNN still runs them, more slowly). On CPUs where oneDNN cannot
     pack bfloat16 at all (no AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2-only ones) the maps
-    keep plain weights: cbgen's AVX2 row kernel for a few rows, ``F.linear`` for more,
-    with the same fusion."""
+    keep plain weights: cbgen's AVX2 row kernel for a few rows, float32 GEMMs on widened
+    chunks of them for more (``widened_linear``), with the same fusion."""
 
     name = "onednn-bf16-prepacked"
     dtype = torch.bfloat16

