@@ -137,6 +137,31 @@ std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& sca
   return {packed, pack_scales_minima(scales, minima, blocks, scales.size(1))};
 }
 
+// The outer loop of the int4_bf16_pack-layout kernels: every block of 16 output rows
+// (blocks split across threads) against the activation rows Tile at a time.
+// tile(wb, smb, row, rows, acc) leaves rows x 16 float32 sums in acc, which go to y
+// [m, blocks * 16] as bfloat16.
+template <int Tile, typename TileFn>
+void for_each_block(int64_t m, int64_t blocks, int64_t groups, int64_t scale_groups,
+                    const uint8_t* w, const uint16_t* sm, at::BFloat16* y, TileFn tile) {
+  const int64_t n = blocks * kBlock;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    float acc[Tile * kBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* wb = w + b * groups * 256;
+      const uint16_t* smb = sm + b * scale_groups * 2 * kBlock;
+      for (int64_t row = 0; row < m; row += Tile) {
+        const int64_t rows = std::min<int64_t>(Tile, m - row);
+        tile(wb, smb, row, rows, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          at::BFloat16* yr = y + (row + r) * n + b * kBlock;
+          for (int64_t c = 0; c < kBlock; ++c) yr[c] = static_cast<at::BFloat16>(acc[r * kBlock + c]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
@@ -365,7 +390,6 @@ at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const int64_t scale_groups = scales_minima.size(1), per = group / kGroup;
-  const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<float> sums(m * scale_groups);
@@ -377,28 +401,18 @@ at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    float acc[4 * kBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = w + b * groups * 256;
-      const uint16_t* smb = sm + b * scale_groups * 2 * kBlock;
-      for (int64_t row = 0; row < m; row += 4) {
-        const int64_t rows = std::min<int64_t>(4, m - row);
-        const uint16_t* xr = xp + row * k;
-        const float* sr = sums.data() + row * scale_groups;
-        switch (rows) {
-          case 1: int4_bf16_block<1>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
-          case 2: int4_bf16_block<2>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
-          case 3: int4_bf16_block<3>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
-          default: int4_bf16_block<4>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          at::BFloat16* yr = y + (row + r) * n + b * kBlock;
-          for (int64_t c = 0; c < kBlock; ++c) yr[c] = static_cast<at::BFloat16>(acc[r * kBlock + c]);
-        }
-      }
-    }
-  });
+  for_each_block<4>(m, blocks, groups, scale_groups, w, sm, y,
+                    [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
+                        float* acc) {
+                      const uint16_t* xr = xp + row * k;
+                      const float* sr = sums.data() + row * scale_groups;
+                      switch (rows) {
+                        case 1: int4_bf16_block<1>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+                        case 2: int4_bf16_block<2>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+                        case 3: int4_bf16_block<3>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+                        default: int4_bf16_block<4>(wb, smb, scale_groups, per, xr, k, sr, acc); break;
+                      }
+                    });
 #endif
   return out;
 }
@@ -530,7 +544,6 @@ at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const int64_t scale_groups = scales_minima.size(1), per = group / kGroup;
-  const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<int16_t> xq(m * k);
@@ -545,28 +558,18 @@ at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    float acc[2 * kBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = w + b * groups * 256;
-      const uint16_t* smb = sm + b * scale_groups * 2 * kBlock;
-      for (int64_t row = 0; row < m; row += 2) {
-        const int64_t rows = std::min<int64_t>(2, m - row);
-        const int16_t* xr = xq.data() + row * k;
-        const float* st = steps.data() + row * scale_groups;
-        const float* su = sums.data() + row * scale_groups;
-        if (rows == 2) {
-          int4_avx2_block<2>(wb, smb, scale_groups, per, xr, k, st, su, acc);
-        } else {
-          int4_avx2_block<1>(wb, smb, scale_groups, per, xr, k, st, su, acc);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          at::BFloat16* yr = y + (row + r) * n + b * kBlock;
-          for (int64_t c = 0; c < kBlock; ++c) yr[c] = static_cast<at::BFloat16>(acc[r * kBlock + c]);
-        }
-      }
-    }
-  });
+  for_each_block<2>(m, blocks, groups, scale_groups, w, sm, y,
+                    [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
+                        float* acc) {
+                      const int16_t* xr = xq.data() + row * k;
+                      const float* st = steps.data() + row * scale_groups;
+                      const float* su = sums.data() + row * scale_groups;
+                      if (rows == 2) {
+                        int4_avx2_block<2>(wb, smb, scale_groups, per, xr, k, st, su, acc);
+                      } else {
+                        int4_avx2_block<1>(wb, smb, scale_groups, per, xr, k, st, su, acc);
+                      }
+                    });
 #endif
   return out;
 }
