@@ -445,6 +445,53 @@ def test_int4_avx2_kernel_is_the_dequantized_product(rows, blocks, groups, group
 
 
 @needs_kernel
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 7),
+    blocks=st.integers(1, 4),
+    groups=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_w4a8_kernel_is_the_product_with_int8_activations(rows, blocks, groups, seed):
+    """w4a8's kernel (AVX512-VNNI's ``vpdpbusd``, or on AVX2 ``vpmaddubsw`` with int16
+    sums of a group's eight pair sums) against the float64 product of the weight and the
+    activations as the kernel quantizes them: int8 per group of 32, the step the group's
+    largest magnitude over 127 in float32, and the minima against the exact group sums.
+    The integer dot products are exact, so what is left is the output's bfloat16
+    rounding and float32 sums. Largest codes against largest activations (the int16
+    sums' worst case), odd row counts, outlier and all-zero groups."""
+    kernel = decode_kernel()
+    if not kernel.int4_vnni_available():
+        pytest.skip("built with neither AVX512-VNNI nor AVX2: w4a8 runs the int4 kernel")
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = 16 * blocks, 32 * groups
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    codes[0] = 15  # with the largest activations below: 8 pair sums of 2 * 15 * 127
+    codes = codes.to(torch.uint8)
+    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
+    minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
+    x = torch.randn(rows, in_features, generator=generator)
+    x[:, :32] *= 100  # an outlier group
+    x[-1, 32:] = 1.0  # every activation of a group at its largest code, 127
+    x[0] = 0.0
+    x = x.to(torch.bfloat16)
+    packed, scales_minima = kernel.int4_vnni_pack(codes, scales, minima)
+    got = kernel.int4_vnni_matmul(x, packed, scales_minima).double()
+    xf = x.float().view(rows, groups, 32)
+    step = xf.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(step >= torch.finfo(torch.float32).tiny, 1 / step, 0.0)
+    xq = torch.round(xf * inverse)  # half to even, as the kernel's nearbyint
+    s, m = (t.to(torch.bfloat16).double() for t in (scales, minima))
+    dots = torch.einsum("rgk,ngk->rng", xq.double(), codes.double().view(out_features, groups, 32))
+    sums = xf.double().sum(-1)  # [rows, groups]
+    want = (dots * s * step.double()[:, None, :, 0]).sum(-1) + sums @ m.t()
+    magnitude = (dots.abs() * s * step.double()[:, None, :, 0]).sum(-1) + sums.abs() @ m.abs().t()
+    bound = 2**-8 * want.abs() + 2**-20 * magnitude
+    assert bool(((got - want).abs() <= bound).all())
+    assert bool((got[0] == 0).all())
+
+
+@needs_kernel
 @pytest.mark.parametrize("group", [64, 128])
 def test_int4_maps_take_cbgens_kernel_at_larger_groups(group):
     """A map quantized per group of 64 or 128 columns runs int4's own kernel where it is

@@ -1,5 +1,6 @@
-// 4-bit weights times bfloat16 rows, two ways: with the activations rounded to int8
-// (w4a8, AVX512-VNNI, here) or as they are (int4, AVX512-BF16, further down).
+// 4-bit weights times bfloat16 rows: with the activations rounded to int8 (w4a8,
+// AVX512-VNNI or AVX2, here), or as they are (int4, AVX512-BF16, further down), or
+// rounded to int16 (int4 on AVX2-only CPUs, at the end).
 //
 // torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) widens every 4-bit code to
 // float and multiplies it by a bfloat16 activation: about 10 vector instructions per
@@ -36,8 +37,13 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define CBGEN_INT4_VNNI 1
+#define CBGEN_W4A8_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CBGEN_INT4_VNNI 0
+#define CBGEN_W4A8_AVX2 1
 #else
 #define CBGEN_INT4_VNNI 0
+#define CBGEN_W4A8_AVX2 0
 #endif
 
 namespace {
@@ -74,6 +80,13 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* xq, float* dx) {
     dx[g] = scale;
   }
 }
+
+#if defined(__AVX2__)
+// Eight bfloat16 to float32: the 16 bits on top of a zero low half.
+inline __m256 bf16x8(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
 
 // What both matmuls check of their inputs. Returns the columns per scale group (a
 // multiple of 32: the packed codes come in groups of 32, the scales may span several).
@@ -164,7 +177,71 @@ void for_each_block(int64_t m, int64_t blocks, int64_t groups, int64_t scale_gro
 
 }  // namespace
 
-bool int4_vnni_available() { return CBGEN_INT4_VNNI != 0; }
+bool int4_vnni_available() { return CBGEN_INT4_VNNI || CBGEN_W4A8_AVX2; }
+
+#if CBGEN_W4A8_AVX2
+namespace {
+
+// w4a8 on AVX2 (no VNNI): int4_vnni_pack's layout, whose 64 bytes of a quad pair are
+// rows 0-7 in their low 32 and rows 8-15 in their high 32, 4 bytes a row. `vpmaddubsw`
+// multiplies 32 unsigned codes by 32 signed int8 activations and adds adjacent pairs
+// into int16: a row's 4 bytes give 2 words, and eight such sums (a group's 32 codes)
+// stay below 8 * 2 * 15 * 127 = 30,480, so they add up in int16 with no saturation
+// and `vpmaddwd` by ones makes each row's int32 dot once a group. That is half the
+// multiplies of the int4 AVX2 kernel's `vpmaddwd` on int16 activations, and a group's
+// float arithmetic is the VNNI kernel's, in its order: the same int32 dot, the same
+// float32 result.
+//
+// R rows of int8 activations (xq, row stride k; dx and sx, row stride groups) against
+// one block of 16 output rows; out gets R x 16 float32.
+template <int R>
+void w4a8_avx2_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, const int8_t* xq,
+                     int64_t k, const float* dx, const float* sx, float* out) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = wb + g * 256;
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xg = xq + r * k + g * kGroup;
+          int32_t quad_lo, quad_hi;
+          std::memcpy(&quad_lo, xg + 4 * p, 4);
+          std::memcpy(&quad_hi, xg + 16 + 4 * p, 4);
+          dot[r][h] = _mm256_add_epi16(dot[r][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad_lo)));
+          dot[r][h] = _mm256_add_epi16(dot[r][h], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad_hi)));
+        }
+      }
+    }
+    const uint16_t* smg = smb + g * 2 * kBlock;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(smg + 8 * h)));
+      const __m256 minimum =
+          bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(smg + kBlock + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const __m256i sum = _mm256_madd_epi16(dot[r][h], ones);
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                      _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * groups + g])),
+                                      total[r][h]);
+        total[r][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(sx[r * groups + g]), total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kBlock, total[r][0]);
+    _mm256_storeu_ps(out + r * kBlock + 8, total[r][1]);
+  }
+}
+
+}  // namespace
+#endif
 
 // codes: uint8 [n, k] in 0..15; scales, minima: float32 [n, k / 32].
 // Returns (packed uint8 [n / 16, k / 32, 4, 64], scales then minima bfloat16 [n / 16, k / 32, 32]).
@@ -205,6 +282,20 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
+#if CBGEN_W4A8_AVX2
+  for_each_block<2>(m, blocks, groups, groups, w, sm, y,
+                    [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
+                        float* acc) {
+                      const int8_t* xr = xq.data() + row * k;
+                      const float* dr = dx.data() + row * groups;
+                      const float* sr = sx.data() + row * groups;
+                      if (rows == 2) {
+                        w4a8_avx2_block<2>(wb, smb, groups, xr, k, dr, sr, acc);
+                      } else {
+                        w4a8_avx2_block<1>(wb, smb, groups, xr, k, dr, sr, acc);
+                      }
+                    });
+#else
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = w + b * groups * 256;
@@ -265,6 +356,7 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
       }
     }
   });
+#endif
   return out;
 }
 
@@ -461,10 +553,6 @@ void quantize_row16(const uint16_t* x, int64_t k, int64_t group, int16_t* xq, fl
     }
     steps[g] = step;
   }
-}
-
-inline __m256 bf16x8(__m128i bits) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
 // R rows of int16 activations (xq, row stride k; steps and sums, row stride
