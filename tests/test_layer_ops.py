@@ -200,6 +200,29 @@ def test_silu_mul_is_float32_silu_times_up_rounded_once(rows, intermediate):
     assert same > 0.99  # nearly all round exactly as torch's float32 result does
 
 
+def test_silu_mul_rounds_nan_and_denormals_as_torch():
+    """The vector store's rounding at its edges, in every lane of a vector: a NaN gate
+    gives the quiet NaN 0x7FC0 (as c10::BFloat16's scalar conversion makes it; torch's
+    vectorized one keeps other bits), products below float32's normal range keep their
+    denormal bfloat16 value (not flushed to zero), and a product past bfloat16's
+    largest value rounds to infinity."""
+    intermediate = 48  # a 16-wide vector, two 8-wide ones, no tail
+    gate = torch.full((intermediate,), 1e-20)
+    up = torch.full((intermediate,), 1e-20)
+    gate[::3] = float("nan")
+    gate[1::3], up[1::3] = 3e38, 1.5  # silu(g) = g: 4.5e38 is past bfloat16's 3.39e38
+    gate_up = torch.cat([gate, up])[None].to(torch.bfloat16)
+    got = kernels.silu_mul(gate_up, intermediate)[0]
+    wide = gate_up.float()[0]
+    want = (torch.nn.functional.silu(wide[:intermediate]) * wide[intermediate:]).to(torch.bfloat16)
+    bits = got.view(torch.int16)
+    assert (bits[::3] == 0x7FC0).all() and want[::3].isnan().all()
+    assert torch.equal(bits[1::3], want[1::3].view(torch.int16))
+    assert torch.equal(bits[2::3], want[2::3].view(torch.int16))
+    assert got[1::3].isinf().all()
+    assert (got[2::3] != 0).all() and (got[2::3].float().abs() < torch.finfo(torch.float32).tiny).all()
+
+
 def test_silu_mul_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernels.silu_mul(torch.randn(2, 8), 4)

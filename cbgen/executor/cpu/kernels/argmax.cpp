@@ -12,7 +12,7 @@
 #include <cmath>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -39,6 +39,18 @@ int64_t argmax_row(const float* row, int64_t n) {
   }
   nan = unordered != 0;
   best = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(best);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(row + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, x);
+  }
+  nan = _mm256_movemask_ps(unordered) != 0;
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #endif
   for (; i < n; ++i) {
     nan = nan || std::isnan(row[i]);
@@ -50,6 +62,12 @@ int64_t argmax_row(const float* row, int64_t n) {
   const __m512 target = _mm512_set1_ps(best);
   for (; i + 16 <= n; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif defined(__AVX2__)
+  const __m256 target = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif

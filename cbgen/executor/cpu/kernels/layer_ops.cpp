@@ -145,8 +145,8 @@ void rope_rows(Q* src_ptr, int64_t stride, const float* c_ptr, const float* s_pt
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         Q* x = row + h * dim;
         int64_t j = 0;
-#if defined(__AVX512F__)
-        // bfloat16 in and out: the same products and sums as the loop below, 16 at a
+#if CBGEN_VFLOAT
+        // bfloat16 in and out: the same products and sums as the loop below, kWidth at a
         // time (an explicit multiply and subtract: nothing fused), rounded as it rounds.
         if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
           C* y = h < heads ? q_ptr + (t * heads + h) * dim : x;
@@ -287,16 +287,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate) {
       const c10::BFloat16* up = gate + intermediate;
       c10::BFloat16* y = dst + i * intermediate;
       int64_t j = 0;
-#if defined(__AVX512F__)
+#if CBGEN_VFLOAT
       // silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|) <= 1 so that exp
       // never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
       const vfloat one = vset1(1.f);
       for (; j + kWidth <= intermediate; j += kWidth) {
         const vfloat g = vload_bf16(gate + j);
         const vfloat e = vexp(vneg_abs(g));
-        const __mmask16 negative = _mm512_cmp_ps_mask(g, vzero(), _CMP_LT_OQ);
-        const vfloat numerator = _mm512_mask_mov_ps(one, negative, e);
-        const vfloat silu = _mm512_div_ps(vmul(g, numerator), vadd(one, e));
+        const vfloat numerator = vwhere_negative(g, e, one);
+        const vfloat silu = vdiv(vmul(g, numerator), vadd(one, e));
         vstore_bf16(y + j, vmul(silu, vload_bf16(up + j)));
       }
 #endif

@@ -84,6 +84,13 @@ inline vfloat vpow2i(vfloat n) {
 constexpr int64_t kWidth = 0;  // no SIMD: every loop below takes its scalar path
 #endif
 
+// Whether vfloat and the operations below exist (kWidth > 0), for preprocessor guards.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define CBGEN_VFLOAT 1
+#else
+#define CBGEN_VFLOAT 0
+#endif
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf, about 1 ulp.
 // Inputs below -87.3 return 0 rather than a denormal, as expf would round them anyway.
@@ -109,16 +116,38 @@ inline vfloat vexp(vfloat x) {
 }
 #endif
 
+#if CBGEN_VFLOAT
+inline vfloat vdiv(vfloat a, vfloat b) {
 #if defined(__AVX512F__)
-// Stores 16 floats as bfloat16 rounded to nearest even, bit for bit as
-// c10::BFloat16's conversion rounds them (NaN becomes 0x7FC0, denormals are kept;
-// AVX512-BF16's vcvtneps2bf16 would flush them).
-inline vfloat vneg_abs(vfloat x) {  // -|x|
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x),
-                                             _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+  return _mm512_div_ps(a, b);
+#else
+  return _mm256_div_ps(a, b);
+#endif
 }
 
-inline void vstore_bf16(void* dst, __m512 x) {
+inline vfloat vneg_abs(vfloat x) {  // -|x|: the sign bit set
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x),
+                                             _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+#else
+  return _mm256_or_ps(x, _mm256_set1_ps(-0.f));
+#endif
+}
+
+// if_negative where x < 0, otherwise elsewhere (NaN counts as not negative).
+inline vfloat vwhere_negative(vfloat x, vfloat if_negative, vfloat otherwise) {
+#if defined(__AVX512F__)
+  return _mm512_mask_mov_ps(otherwise, _mm512_cmp_ps_mask(x, vzero(), _CMP_LT_OQ), if_negative);
+#else
+  return _mm256_blendv_ps(otherwise, if_negative, _mm256_cmp_ps(x, vzero(), _CMP_LT_OQ));
+#endif
+}
+
+// Stores kWidth floats as bfloat16 rounded to nearest even, bit for bit as
+// c10::BFloat16's conversion rounds them (NaN becomes 0x7FC0, denormals are kept;
+// AVX512-BF16's vcvtneps2bf16 would flush them).
+inline void vstore_bf16(void* dst, vfloat x) {
+#if defined(__AVX512F__)
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16),
                                                          _mm512_set1_epi32(1)),
@@ -127,6 +156,19 @@ inline void vstore_bf16(void* dst, __m512 x) {
   rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
                                   _mm512_set1_epi32(0x7FC0));
   _mm256_storeu_si256(static_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
+#else
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16),
+                                                         _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0),
+                               _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  // Each value is below 2^16: packing with unsigned saturation keeps it, per 128-bit
+  // half, and the permute puts the halves' four words side by side.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  _mm_storeu_si128(static_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+#endif
 }
 #endif
 
