@@ -220,7 +220,9 @@ def test_silu_mul_rounds_nan_and_denormals_as_torch():
     assert torch.equal(bits[1::3], want[1::3].view(torch.int16))
     assert torch.equal(bits[2::3], want[2::3].view(torch.int16))
     assert got[1::3].isinf().all()
-    assert (got[2::3] != 0).all() and (got[2::3].float().abs() < torch.finfo(torch.float32).tiny).all()
+    assert (got[2::3] != 0).all() and (
+        got[2::3].float().abs() < torch.finfo(torch.float32).tiny
+    ).all()
 
 
 def test_silu_mul_refuses_what_it_cannot_read():
