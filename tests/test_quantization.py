@@ -91,6 +91,7 @@ def test_kernels_match_the_dequantized_float32_product(
 def test_codes_stand_for_the_weights():
     torch.manual_seed(0)
     weight = torch.randn(64, 128)
+    before = weight.clone()
     codes, scales = quantize_int8(weight)
     assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
     # Rounding to the nearest code: within half a step of each channel's scale.
@@ -102,6 +103,8 @@ def test_codes_stand_for_the_weights():
     rebuilt = codes4.float().view(64, 4, 32) * scales4[..., None] + minima[..., None]
     error = (rebuilt.view(64, 128) - weight).abs().view(64, 4, 32)
     assert bool((error <= scales4[..., None] / 2 + 1e-5).all())
+    # The quantizers work in place on a copy: a float32 weight is not touched.
+    assert torch.equal(weight, before)
 
 
 def test_int4_finds_a_q4_1_grid_back():
