@@ -12,9 +12,7 @@
 #include <cmath>
 #include <limits>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -39,7 +37,7 @@ int64_t argmax_row(const float* row, int64_t n) {
   }
   nan = unordered != 0;
   best = _mm512_reduce_max_ps(m);
-#elif defined(__AVX2__)
+#elif CBGEN_VFLOAT  // AVX2 with FMA: simd.h's 8-lane vfloat
   __m256 m = _mm256_set1_ps(best);
   __m256 unordered = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
@@ -48,9 +46,7 @@ int64_t argmax_row(const float* row, int64_t n) {
     m = _mm256_max_ps(m, x);
   }
   nan = _mm256_movemask_ps(unordered) != 0;
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  best = vhmax(m);
 #endif
   for (; i < n; ++i) {
     nan = nan || std::isnan(row[i]);
@@ -64,7 +60,7 @@ int64_t argmax_row(const float* row, int64_t n) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
-#elif defined(__AVX2__)
+#elif CBGEN_VFLOAT  // AVX2 with FMA: simd.h's 8-lane vfloat
   const __m256 target = _mm256_set1_ps(best);
   for (; i + 8 <= n; i += 8) {
     const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
