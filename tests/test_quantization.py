@@ -615,6 +615,9 @@ def test_quantizers_give_the_same_codes_a_chunk_of_rows_at_a_time(monkeypatch, c
     torch.manual_seed(5)
     weight = (torch.randn(100, 96) * torch.rand(100, 1) * 3).to(torch.bfloat16)
     monkeypatch.setattr(quantization, "QUANTIZE_CHUNK_ELEMENTS", chunk)
+    # The torch path (the native quantizers take whole rows, no chunks; compared with
+    # this path bit for bit below).
+    monkeypatch.setattr(quantization, "_native_quantizer", lambda weight: None)
     codes, scales = quantization.quantize_int8(weight)
     w = weight.float()
     want_scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
@@ -627,6 +630,94 @@ def test_quantizers_give_the_same_codes_a_chunk_of_rows_at_a_time(monkeypatch, c
     want4 = torch.round((g - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
     assert torch.equal(minima, low) and torch.equal(scales4, step)
     assert torch.equal(codes4, want4.view(100, 96))
+
+
+def _torch_quantizers(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """The torch path's int4 (packed) and int8 results, the native quantizers set aside."""
+    from cbgen.executor.cpu import quantization
+
+    native = quantization._native_quantizer
+    quantization._native_quantizer = lambda weight: None
+    try:
+        return (*quantization.quantize_int4_packed(weight, group), *quantize_int8(weight))
+    finally:
+        quantization._native_quantizer = native
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([32, 64, 128, 256]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    magnitude=st.sampled_from([1e-4, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_quantizers_give_the_torch_paths_codes_to_the_bit(
+    rows, groups, group, dtype, magnitude, seed
+):
+    """``kernels/quantize.cpp`` (one pass a row at load time) against the torch path, the
+    fallback without native kernels: the same packed codes, scales and minima to the bit
+    in every weight dtype, group size and magnitude, with a constant group (the scale's
+    floor), a group of exact ties (round half to even), and rows of mixed scales."""
+    from cbgen.executor.cpu import quantization
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, groups * group, generator=generator) * magnitude
+    weight *= torch.rand(rows, 1, generator=generator) * 3
+    weight[0, :group] = 0.25 * magnitude  # constant: scale 1e-10, every code 0
+    if rows > 1:  # 0, 0.5, ..., 15: a scale of exactly 1 and a tie at every odd step
+        weight[1, :group] = (torch.arange(group) % 31) / 2
+    weight = weight.to(dtype)
+    native = quantization.quantize_int4_packed(weight, group) + quantize_int8(weight)
+    for got, want in zip(native, _torch_quantizers(weight, group), strict=True):
+        assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+
+
+@needs_kernel
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_weight_that_is_not_finite_is_refused(monkeypatch, native, bad):
+    """NaN or infinity has no code: both quantizer paths refuse it, naming the row, and
+    quantize_model passes the refusal on (the torch path's old answer was an undefined
+    cast into the codes)."""
+    from cbgen.executor.cpu import quantization
+
+    if not native:
+        monkeypatch.setattr(quantization, "_native_quantizer", lambda weight: None)
+    weight = torch.randn(48, 64)
+    weight[37, 5] = bad
+    for quantize in (quantize_int8, quantize_int4):
+        with pytest.raises(ValueError, match="row 37 .* not finite"):
+            quantize(weight)
+    model = nn.Sequential(nn.Linear(64, 48, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(weight)
+    with pytest.raises(ValueError, match="not finite"):
+        quantize_model(model, "int4")
+
+
+@needs_kernel
+@pytest.mark.parametrize("packer", ["int4_bf16_pack", "int4_vnni_pack"])
+def test_packers_take_codes_two_a_byte(packer):
+    """The engine packs a map's codes as QuantizedLinear keeps them (two a byte) without
+    widening them first: the same layout as from one code a byte."""
+    generator = torch.Generator().manual_seed(9)
+    codes = torch.randint(0, 16, (48, 128), generator=generator).to(torch.uint8)
+    scales, minima = torch.rand(48, 4, generator=generator), -torch.rand(48, 4, generator=generator)
+    pack = getattr(decode_kernel(), packer)
+    two_a_byte = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    for got, want in zip(
+        pack(two_a_byte, scales, minima, nibbles=True), pack(codes, scales, minima), strict=True
+    ):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError):  # half the columns: the scales no longer fit
+        pack(two_a_byte, scales, minima)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")

@@ -55,18 +55,49 @@ def validate_mode(mode: str | None, name: str = "quantization") -> str | None:
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ``(codes int8 [out, in], scales float32 [out])``
-    with ``weight ~= codes * scales[:, None]``."""
+    with ``weight ~= codes * scales[:, None]``. A weight that is not finite is refused
+    (ValueError): it has no code."""
+    native = _native_quantizer(weight)
+    if native is not None:
+        codes, scales = native.quantize_8bit(weight.detach())
+        return codes, scales
     out_features = weight.shape[0]
     codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scales = torch.empty(out_features, dtype=torch.float32, device=weight.device)
     for rows in _row_chunks(weight):
         # In place on one float32 copy of the chunk: half the passes over memory of
         # fresh temporaries for each step, the same operations and results.
-        w = weight[rows].detach().to(torch.float32, copy=True)
+        w = _finite_copy(weight, rows)
         scale = w.abs().amax(dim=1).div_(127.0).clamp_(min=1e-10)
         codes[rows] = w.div_(scale[:, None]).round_().clamp_(-127, 127)
         scales[rows] = scale
     return codes, scales
+
+
+def _native_quantizer(weight: torch.Tensor) -> Any:
+    """The compiled kernels when they can quantize ``weight`` (on the CPU, in float32,
+    bfloat16 or float16): ``kernels/quantize.cpp``, torch's formulas below in one pass
+    a row, the same bits (a 1B model's maps in about a tenth of the time). None where
+    the kernels are off: the torch path stands in."""
+    if weight.device.type != "cpu" or weight.dtype not in _NATIVE_QUANTIZE_DTYPES:
+        return None
+    native = _native_kernel()
+    return native if native is not None and hasattr(native, "quantize_4bit") else None
+
+
+_NATIVE_QUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _finite_copy(weight: torch.Tensor, rows: slice) -> torch.Tensor:
+    """A float32 copy of ``weight[rows]``, refused if any value is not finite (NaN or
+    infinity has no code; the native quantizers refuse it too)."""
+    w = weight[rows].detach().to(torch.float32, copy=True)
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).any(dim=1).nonzero()[0, 0]) + (rows.start or 0)
+        raise ValueError(
+            f"row {bad} of the weight holds a value that is not finite (NaN or infinity)"
+        )
+    return w
 
 
 # Weight elements quantized at a time, in whole output rows: every formula is per row
@@ -85,24 +116,37 @@ def quantize_int4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit per group of ``group_size`` input columns: ``(codes uint8 [out, in]
     in 0..15, scales [out, groups], minima [out, groups])`` with
-    ``weight ~= codes * scale + minimum`` (GGUF's Q4_1 formula)."""
+    ``weight ~= codes * scale + minimum`` (GGUF's Q4_1 formula). A weight that is not
+    finite is refused (ValueError)."""
+    packed, scales, low = quantize_int4_packed(weight, group_size)
+    return _unpack_nibbles(packed), scales, low
+
+
+def quantize_int4_packed(
+    weight: torch.Tensor, group_size: int = 32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_int4`` with the codes two to a byte (``[out, in / 2]``: column ``2j`` in
+    the low nibble of byte ``j``), as ``QuantizedLinear`` keeps them."""
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"{in_features} input columns are not a multiple of {group_size}")
+    native = _native_quantizer(weight)
+    if native is not None:
+        packed, scales, low = native.quantize_4bit(weight.detach(), group_size)
+        return packed, scales, low
     groups = in_features // group_size
     codes = torch.empty(out_features, groups, group_size, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(out_features, groups, dtype=torch.float32, device=weight.device)
     low = torch.empty(out_features, groups, dtype=torch.float32, device=weight.device)
     for rows in _row_chunks(weight):
-        # As in quantize_int8: in place on one float32 copy (a 1B model's maps quantized
-        # in 8.1 s, now about half that), the same operations and codes.
-        w = weight[rows].detach().to(torch.float32, copy=True).view(-1, groups, group_size)
+        # As in quantize_int8: in place on one float32 copy, the same operations and codes.
+        w = _finite_copy(weight, rows).view(-1, groups, group_size)
         lowest, highest = torch.aminmax(w, dim=-1)
         scale = highest.sub_(lowest).div_(15.0).clamp_(min=1e-10)
         codes[rows] = w.sub_(lowest[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
         low[rows] = lowest
         scales[rows] = scale
-    return codes.view(out_features, in_features), scales, low
+    return _pack_nibbles(codes.view(out_features, in_features)), scales, low
 
 
 def dequantize(module: QuantizedLinear) -> torch.Tensor:
@@ -120,8 +164,12 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    low, high = packed & 0x0F, packed >> 4
-    return torch.stack([low, high], dim=-1).flatten(1)
+    codes = torch.empty(
+        packed.shape[0], 2 * packed.shape[1], dtype=torch.uint8, device=packed.device
+    )
+    torch.bitwise_and(packed, 0x0F, out=codes[:, 0::2])
+    torch.bitwise_right_shift(packed, 4, out=codes[:, 1::2])
+    return codes
 
 
 class QuantizedLinear(nn.Module):
@@ -164,12 +212,12 @@ class QuantizedLinear(nn.Module):
             codes, scales = quantize_int8(linear.weight)
             return cls(linear.in_features, linear.out_features, mode, codes, scales, None, bias)
         if mode in FOUR_BIT_MODES:
-            codes, scales, minima = quantize_int4(linear.weight, group_size)
+            packed, scales, minima = quantize_int4_packed(linear.weight, group_size)
             return cls(
                 linear.in_features,
                 linear.out_features,
                 mode,
-                _pack_nibbles(codes),
+                packed,
                 scales,
                 minima,
                 bias,
@@ -221,12 +269,13 @@ class QuantizedLinear(nn.Module):
                 torch.cat([m.codes for m in modules]), torch.cat([m.scales for m in modules]), bias
             )
         return Int4Map(
-            torch.cat([_unpack_nibbles(m.codes) for m in modules]),
+            torch.cat([m.codes for m in modules]),
             torch.cat([m.scales for m in modules]),
             torch.cat([m.minima for m in modules]),
             first.group_size,
             bias,
             int8_activations=first.mode == "w4a8",
+            nibbles=True,
         )
 
 
@@ -323,7 +372,10 @@ class Int4Map(_QuantizedMap):
       here says so once in the log.
 
     The native kernels pack the codes each their own way (``int4_bf16_pack``,
-    ``int4_vnni_pack``) beside the same bfloat16 scales and minima. Figures:
+    ``int4_vnni_pack``) beside the same bfloat16 scales and minima. ``codes`` are uint8
+    ``[out, in]`` in 0..15, or with ``nibbles`` two a byte ``[out, in / 2]`` as
+    ``QuantizedLinear`` keeps them (the native packers read those directly: widening a
+    1B model's codes to a byte each first took a second of its load). Figures:
     ``bench/linear_kernels.py --kinds int4-torch,int4,w4a8``.
     """
 
@@ -336,15 +388,25 @@ class Int4Map(_QuantizedMap):
         bias: torch.Tensor | None,
         int8_activations: bool = False,
         use_native_kernels: bool = True,
+        nibbles: bool = False,
     ) -> None:
         super().__init__(int(codes.shape[0]), bias)
         self.group_size = group_size
-        self.native: Any = _native_4bit(codes, group_size) if use_native_kernels else None
+        in_features = int(codes.shape[1]) * (2 if nibbles else 1)
+        self.native: Any = (
+            _native_4bit(codes.shape[0], in_features, codes.device, group_size)
+            if use_native_kernels
+            else None
+        )
         self.path = _four_bit_path(self.native, int8_activations, group_size)
         if self.native is not None and self.path != "torch":
             pack = self.native.int4_vnni_pack if self.path == "vnni" else self.native.int4_bf16_pack
-            self.packed, self.scales_minima = pack(codes, scales.float(), minima.float())
+            self.packed, self.scales_minima = pack(
+                codes, scales.float(), minima.float(), nibbles=nibbles
+            )
             return
+        if nibbles:
+            codes = _unpack_nibbles(codes)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         offsets = minima + 8 * scales
         self.scales_and_offsets = (
@@ -370,13 +432,12 @@ def _native_kernel() -> Any:
     return decode_kernel()
 
 
-def _native_4bit(codes: torch.Tensor, group_size: int) -> Any:
-    """The native module when ``codes`` fit its 4-bit layout (groups of a multiple of 32,
-    outputs in blocks of 16, on the CPU), else None."""
-    out_features, in_features = codes.shape
+def _native_4bit(out_features: int, in_features: int, device: torch.device, group_size: int) -> Any:
+    """The native module when a map's codes fit its 4-bit layout (groups of a multiple of
+    32, outputs in blocks of 16, on the CPU), else None."""
     if group_size % 32 or out_features % 16 or in_features % group_size:
         return None
-    return _native_kernel() if codes.device.type == "cpu" else None
+    return _native_kernel() if device.type == "cpu" else None
 
 
 def _four_bit_path(native: Any, int8_activations: bool, group_size: int) -> str:

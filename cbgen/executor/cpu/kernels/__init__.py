@@ -41,6 +41,7 @@ SOURCES = (
     "int4_matmul.cpp",
     "int8_matmul.cpp",
     "bf16_matmul.cpp",
+    "quantize.cpp",
     "bindings.cpp",
 )
 # Included by the sources; part of the build key, so an edit rebuilds.

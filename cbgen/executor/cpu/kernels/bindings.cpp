@@ -17,12 +17,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
 at::Tensor argmax_rows(const at::Tensor& logits);
 bool int4_vnni_available();
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
-                                       const at::Tensor& minima);
+                                       const at::Tensor& minima, bool nibbles);
 at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
 bool int4_bf16_available();
 std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
-                                       const at::Tensor& minima);
+                                       const at::Tensor& minima, bool nibbles);
 bool int4_avx2_available();
 at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
@@ -34,6 +34,8 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias);
 at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales);
+std::vector<at::Tensor> quantize_4bit(const at::Tensor& weight, int64_t group);
+std::vector<at::Tensor> quantize_8bit(const at::Tensor& weight);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
@@ -53,14 +55,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_vnni_available", &int4_vnni_available,
         "whether int4_vnni_matmul was compiled with AVX512-VNNI");
   m.def("int4_vnni_pack", &int4_vnni_pack, "4-bit codes, scales, minima to int4_vnni_matmul's layout",
-        py::arg("codes"), py::arg("scales"), py::arg("minima"));
+        py::arg("codes"), py::arg("scales"), py::arg("minima"),
+        py::arg("nibbles") = false);
   m.def("int4_vnni_matmul", &int4_vnni_matmul,
         "bfloat16 [m, k] x 4-bit weights, int8 activations per group of 32 (CPU)", py::arg("x"),
         py::arg("packed"), py::arg("scales_minima"));
   m.def("int4_bf16_available", &int4_bf16_available,
         "whether int4_bf16_matmul was compiled with AVX512-BF16 and VBMI2");
   m.def("int4_bf16_pack", &int4_bf16_pack, "4-bit codes, scales, minima to int4_bf16_matmul's layout",
-        py::arg("codes"), py::arg("scales"), py::arg("minima"));
+        py::arg("codes"), py::arg("scales"), py::arg("minima"),
+        py::arg("nibbles") = false);
   m.def("int4_bf16_matmul", &int4_bf16_matmul,
         "bfloat16 [m, k] x 4-bit weights, bfloat16 products, float32 sums (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("scales_minima"));
@@ -79,4 +83,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_matmul", &bf16_rows_matmul,
         "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), m <= 4 (CPU)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none());
+  m.def("quantize_4bit", &quantize_4bit,
+        "weight [n, k] to 4-bit codes packed in nibbles, scales and minima per group (CPU)",
+        py::arg("weight"), py::arg("group"));
+  m.def("quantize_8bit", &quantize_8bit,
+        "weight [n, k] to int8 codes and one scale per output row (CPU)", py::arg("weight"));
 }

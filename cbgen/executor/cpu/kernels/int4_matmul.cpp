@@ -118,15 +118,18 @@ at::Tensor pack_scales_minima(const at::Tensor& scales, const at::Tensor& minima
 }
 
 // codes: uint8 [n, k] in 0..15 to [n / 16, k / 32, layout...] (256 bytes a block and
-// group of 32), with place(out, r, row) writing row r's 32 codes of a group into its
-// block's 256 bytes; then pack_scales_minima, one pair a row per scale group (k /
-// scales.size(1) columns, a multiple of 32).
+// group of 32), with place(out, r, code) writing row r's 32 codes of a group (code(j),
+// j < 32) into its block's 256 bytes; then pack_scales_minima, one pair a row per scale group (k /
+// scales.size(1) columns, a multiple of 32). With nibbles, codes are [n, k / 2], two a
+// byte (column 2j in the low nibble of byte j): quantize_4bit's and QuantizedLinear's
+// form, packed without widening every code to a byte first.
 template <typename Place>
 std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& scales,
-                                  const at::Tensor& minima, std::vector<int64_t> layout,
-                                  const char* name, Place place) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, name, ": codes uint8 [n, k]");
-  const int64_t n = codes.size(0), k = codes.size(1);
+                                  const at::Tensor& minima, bool nibbles,
+                                  std::vector<int64_t> layout, const char* name, Place place) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, name,
+              nibbles ? ": codes uint8 [n, k / 2]" : ": codes uint8 [n, k]");
+  const int64_t n = codes.size(0), k = codes.size(1) * (nibbles ? 2 : 1);
   TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, name, ": n % 16 or k % 32 != 0");
   const int64_t groups = k / kGroup, blocks = n / kBlock;
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
@@ -137,12 +140,21 @@ std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& sca
   shape.insert(shape.end(), layout.begin(), layout.end());
   auto packed = at::empty(shape, codes.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
+  const int64_t row_bytes = c.size(1);
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t g = 0; g < groups; ++g) {
         for (int64_t r = 0; r < kBlock; ++r) {
-          place(dst + (b * groups + g) * 256, r, src + (b * kBlock + r) * k + g * kGroup);
+          const uint8_t* row = src + (b * kBlock + r) * row_bytes;
+          uint8_t* out = dst + (b * groups + g) * 256;
+          if (nibbles) {
+            const uint8_t* two = row + g * kGroup / 2;
+            place(out, r, [two](int64_t j) { return (two[j >> 1] >> (4 * (j & 1))) & 15; });
+          } else {
+            const uint8_t* one = row + g * kGroup;
+            place(out, r, [one](int64_t j) { return one[j] & 15; });
+          }
         }
       }
     }
@@ -243,18 +255,20 @@ void w4a8_avx2_block(const uint8_t* wb, const uint16_t* smb, int64_t groups, con
 }  // namespace
 #endif
 
-// codes: uint8 [n, k] in 0..15; scales, minima: float32 [n, k / 32].
-// Returns (packed uint8 [n / 16, k / 32, 4, 64], scales then minima bfloat16 [n / 16, k / 32, 32]).
+// codes: uint8 [n, k] in 0..15 (with nibbles [n, k / 2], two a byte); scales, minima:
+// float32 [n, k / 32]. Returns (packed uint8 [n / 16, k / 32, 4, 64], scales then minima
+// bfloat16 [n / 16, k / 32, 32]).
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
-                                       const at::Tensor& minima) {
-  TORCH_CHECK(scales.dim() == 2 && scales.size(1) * kGroup == codes.size(1),
+                                       const at::Tensor& minima, bool nibbles) {
+  const int64_t k = codes.size(1) * (nibbles ? 2 : 1);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(1) * kGroup == k,
               "int4_vnni_pack: w4a8 scales groups of 32");
-  return pack_4bit(codes, scales, minima, {4, 64}, "int4_vnni_pack",
-                   [](uint8_t* out, int64_t r, const uint8_t* row) {
+  return pack_4bit(codes, scales, minima, nibbles, {4, 64}, "int4_vnni_pack",
+                   [](uint8_t* out, int64_t r, auto code) {
                      for (int64_t p = 0; p < 4; ++p) {
                        for (int64_t i = 0; i < 4; ++i) {
-                         out[p * 64 + 4 * r + i] = static_cast<uint8_t>(
-                             (row[4 * p + i] & 15) | ((row[16 + 4 * p + i] & 15) << 4));
+                         out[p * 64 + 4 * r + i] =
+                             static_cast<uint8_t>(code(4 * p + i) | (code(16 + 4 * p + i) << 4));
                        }
                      }
                    });
@@ -392,17 +406,17 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
 
 bool int4_bf16_available() { return CBGEN_INT4_BF16 != 0; }
 
-// codes: uint8 [n, k] in 0..15; scales, minima: float32 [n, k / group], the group a
-// multiple of 32. Returns (packed uint8 [n / 16, k / 32, 8, 32], scales then minima
+// codes: uint8 [n, k] in 0..15 (with nibbles [n, k / 2], two a byte); scales, minima:
+// float32 [n, k / group], the group a multiple of 32. Returns (packed uint8 [n / 16, k / 32, 8, 32], scales then minima
 // bfloat16 [n / 16, k / group, 32]).
 std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
-                                       const at::Tensor& minima) {
-  return pack_4bit(codes, scales, minima, {8, 32}, "int4_bf16_pack",
-                   [](uint8_t* out, int64_t r, const uint8_t* row) {
+                                       const at::Tensor& minima, bool nibbles) {
+  return pack_4bit(codes, scales, minima, nibbles, {8, 32}, "int4_bf16_pack",
+                   [](uint8_t* out, int64_t r, auto code) {
                      for (int64_t q = 0; q < 8; ++q) {
                        for (int64_t t = 0; t < 2; ++t) {
-                         out[q * 32 + 2 * r + t] = static_cast<uint8_t>(
-                             (row[2 * q + t] & 15) | ((row[16 + 2 * q + t] & 15) << 4));
+                         out[q * 32 + 2 * r + t] =
+                             static_cast<uint8_t>(code(2 * q + t) | (code(16 + 2 * q + t) << 4));
                        }
                      }
                    });
