@@ -157,9 +157,11 @@ def test_quantize_model_replaces_linears_and_keeps_unfit_shapes():
     assert {"codes", "scales", "minima", "bias"} <= {k.split(".")[-1] for k in model.state_dict()}
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
 def test_fused_siblings_equal_separate_kernels(mode):
-    """q/k/v served by one kernel over concatenated codes: the same columns as each alone."""
+    """q/k/v served by one kernel over concatenated codes: the same columns as each alone.
+    A 4-bit group stacks its members' packed blocks (built by their own calls first) and
+    holds the bytes that packing the joined codes again gives."""
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -177,6 +179,14 @@ def test_fused_siblings_equal_separate_kernels(mode):
         # The members' own kernels (built by the calls above) give way to the group's.
         assert all(m._map is None for m in (block.q_proj, block.k_proj, block.v_proj))
         fused = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+        if mode != "int8":
+            members = [block.q_proj, block.k_proj, block.v_proj]
+            group = packed.fused_weight(tuple(members))
+            repacked = QuantizedLinear._build(members)  # no member kernels now: a fresh pack
+            assert group.path == repacked.path and group.out_features == 128
+            assert torch.equal(group.packed, repacked.packed)
+            if group.path != "torch":
+                assert torch.equal(group.scales_minima, repacked.scales_minima)
         packed.restore()
     for a, b in zip(alone, fused, strict=True):
         assert torch.equal(a, b)
