@@ -116,6 +116,8 @@ class FastForward:
     def __call__(self, batch: StepBatch) -> torch.Tensor:
         ops, metadata = self._ops, batch.attention
         cache, attend = metadata.cache, metadata.backend.attend
+        # The native backend reads the K/V rope_qkv stored: one call, no K/V views.
+        attend_stored = getattr(metadata.backend, "attend_stored", None)
         ids = batch.input_ids[0]
         tokens = ids.shape[0]
         hidden = self._embed(ids).float()
@@ -143,18 +145,21 @@ class FastForward:
                 cache.values[layer.index],
                 metadata.tables(layer.index).slot_mapping,
             )
-            k = qkv[:, q_width : q_width + kv_width].view(kv_shape)
-            v = qkv[:, q_width + kv_width :].view(kv_shape)
-            out = attend(
-                metadata,
-                layer.index,
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                layer.scale,
-                layer.sliding_window,
-                store=False,  # rope_qkv stored them
-            )
+            if attend_stored is not None:
+                out = attend_stored(metadata, layer.index, q, layer.scale, layer.sliding_window)
+            else:
+                k = qkv[:, q_width : q_width + kv_width].view(kv_shape)
+                v = qkv[:, q_width + kv_width :].view(kv_shape)
+                out = attend(
+                    metadata,
+                    layer.index,
+                    q.transpose(0, 1),
+                    k.transpose(0, 1),
+                    v.transpose(0, 1),
+                    layer.scale,
+                    layer.sliding_window,
+                    store=False,  # rope_qkv stored them
+                )
             delta = layer.o(out.reshape(tokens, -1).to(dtype))
             if layer.o_reduce is not None:
                 delta = layer.o_reduce(delta)
