@@ -72,7 +72,9 @@ def load_model(
     (``cbgen.executor.cpu.quantization``), run with bfloat16 activations; the rest of the model
     (embedding, norms) stays in ``dtype``, which then defaults to bfloat16. The LM head
     is int8 in both modes; ``lm_head_quantization="int4"`` makes it 4-bit too (faster
-    single streams, at the quality the README's table shows).
+    single streams, at the quality the README's table shows). Quantizing runs in
+    cbgen's native kernels where they are built (torch's ops otherwise, the same
+    codes); a weight holding NaN or infinity has no code and is refused (ValueError).
     ``quantization_group_size`` is the 4-bit modes' group (32, the default and Q4_1's,
     or 64, 128, 256 for int4): one scale and minimum per that many input columns, so
     larger groups read fewer bytes a token (0.625 bytes a weight at 32, 0.531 at 128)
