@@ -376,13 +376,12 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     assert _relative_error(plain, want) > _relative_error(got, want)
 
 
-def _random_4bit_case(
+def _random_4bit_inputs(
     rows: int, blocks: int, groups: int, group: int, seed: int
 ) -> tuple[torch.Tensor, ...]:
-    """Random codes, positive scales and negative minima for ``16 * blocks`` outputs and
-    ``groups`` scale groups of ``group`` columns, packed by ``int4_bf16_pack``; bfloat16
-    rows with an outlier group and a zero first row. Returns (x, packed, scales_minima,
-    the bfloat16 scales and minima as float64 [n, groups, 1], the float64 weight)."""
+    """Random codes (uint8), positive scales and negative minima for ``16 * blocks``
+    outputs and ``groups`` scale groups of ``group`` columns, and float32 rows with an
+    outlier first group of 32 and a zero first row: (x, codes, scales, minima)."""
     generator = torch.Generator().manual_seed(seed)
     out_features, in_features = 16 * blocks, group * groups
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
@@ -392,6 +391,17 @@ def _random_4bit_case(
     x = torch.randn(rows, in_features, generator=generator)
     x[:, :32] *= 100  # an outlier
     x[0] = 0.0
+    return x, codes, scales, minima
+
+
+def _random_4bit_case(
+    rows: int, blocks: int, groups: int, group: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """``_random_4bit_inputs`` with the rows in bfloat16 and the codes packed by
+    ``int4_bf16_pack``. Returns (x, packed, scales_minima, the bfloat16 scales and minima
+    as float64 [n, groups, 1], the float64 weight)."""
+    x, codes, scales, minima = _random_4bit_inputs(rows, blocks, groups, group, seed)
+    out_features = codes.shape[0]
     x = x.to(torch.bfloat16)
     packed, scales_minima = decode_kernel().int4_bf16_pack(codes, scales, minima)
     s, m = (t.to(torch.bfloat16).double()[..., None] for t in (scales, minima))
@@ -460,6 +470,35 @@ def test_int4_avx2_kernel_is_the_dequantized_product(rows, blocks, groups, group
 @needs_kernel
 @settings(max_examples=20, deadline=None)
 @given(
+    blocks=st.integers(1, 4),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([32, 64, 128, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_avx2_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch(
+    blocks, groups, group, seed
+):
+    """int4's AVX2 kernel takes rows two at a time (one alone at the end of an odd
+    batch) with exact int32 sums and the same float arithmetic per row, so a row's output
+    does not depend on the rows beside it, to the bit: at the sums' limits too (every
+    code 15 against activations of +-32767)."""
+    kernel = decode_kernel()
+    if not kernel.int4_avx2_available():
+        pytest.skip("int4's AVX2 kernel is not built here")
+    x, codes, scales, minima = _random_4bit_inputs(5, blocks, groups, group, seed)
+    codes[:16] = 15
+    x[1], x[2] = 1.0, -1.0  # every int16 activation at +-32767
+    x = x.to(torch.bfloat16)
+    packed, scales_minima = kernel.int4_bf16_pack(codes, scales, minima)
+    batched = kernel.int4_avx2_matmul(x, packed, scales_minima)
+    for row in range(x.shape[0]):
+        alone = kernel.int4_avx2_matmul(x[row : row + 1].contiguous(), packed, scales_minima)
+        assert torch.equal(alone[0].view(torch.int16), batched[row].view(torch.int16))
+
+
+@needs_kernel
+@settings(max_examples=20, deadline=None)
+@given(
     rows=st.integers(1, 7),
     blocks=st.integers(1, 4),
     groups=st.integers(1, 6),
@@ -476,15 +515,9 @@ def test_w4a8_kernel_is_the_product_with_int8_activations(rows, blocks, groups, 
     kernel = decode_kernel()
     if not kernel.int4_vnni_available():
         pytest.skip("built with neither AVX512-VNNI nor AVX2: w4a8 runs the int4 kernel")
-    generator = torch.Generator().manual_seed(seed)
-    out_features, in_features = 16 * blocks, 32 * groups
-    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    x, codes, scales, minima = _random_4bit_inputs(rows, blocks, groups, 32, seed)
+    out_features = codes.shape[0]
     codes[0] = 15  # with the largest activations below: 8 pair sums of 2 * 15 * 127
-    codes = codes.to(torch.uint8)
-    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-3
-    minima = -8 * scales * torch.rand(out_features, groups, generator=generator) * 2
-    x = torch.randn(rows, in_features, generator=generator)
-    x[:, :32] *= 100  # an outlier group
     x[-1, 32:] = 1.0  # every activation of a group at its largest code, 127
     x[0] = 0.0
     x = x.to(torch.bfloat16)
