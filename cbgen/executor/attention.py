@@ -169,8 +169,9 @@ class NativeCpuAttention(AttentionBackend):
         """``attend`` for a caller that stored the layer's new K/V itself (the fast
         decoder's ``rope_qkv``), with ``q`` ``[tokens, heads, dim]`` as that op returns
         it; returns ``[tokens, heads, value_dim]`` in ``q``'s dtype. One kernel call and
-        no K/V views: on a single stream of SmolLM2 the general call's views, transposes
-        and frames cost about a tenth of a millisecond a token."""
+        no K/V views: on a single stream of SmolLM2 int4 (30 layers) the general call's
+        views, transposes and frames had cost about half a millisecond a step (9.29 ->
+        8.71 ms, an interleaved A/B on the AVX2 EPYC)."""
         tables = metadata.tables(layer)
         if metadata.decode_only:
             block_tables, context_lens = tables.decode_block_tables, tables.decode_context_lens
