@@ -679,12 +679,9 @@ def _torch_quantizers(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, .
     """The torch path's int4 (packed) and int8 results, the native quantizers set aside."""
     from cbgen.executor.cpu import quantization
 
-    native = quantization._native_quantizer
-    quantization._native_quantizer = lambda weight: None
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantization, "_native_quantizer", lambda weight: None)
         return (*quantization.quantize_int4_packed(weight, group), *quantize_int8(weight))
-    finally:
-        quantization._native_quantizer = native
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

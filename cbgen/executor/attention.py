@@ -138,20 +138,14 @@ class NativeCpuAttention(AttentionBackend):
         store: bool = True,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        tables = metadata.tables(layer)
         cache = metadata.cache
         if store:
-            cache.write(layer, tables.slot_mapping, k, v)
-        if metadata.decode_only:
-            block_tables, context_lens = tables.decode_block_tables, tables.decode_context_lens
-        else:  # the builder gives every row a table when the step has prefill rows
-            block_tables, context_lens = tables.row_block_tables, tables.row_context_lens
+            cache.write(layer, metadata.tables(layer).slot_mapping, k, v)
         return self._run(
             q,
             cache.keys[layer],
             cache.values[layer],
-            block_tables,
-            context_lens,
+            *_row_tables(metadata, layer),
             scale,
             sliding_window,
             softcap,
@@ -172,24 +166,16 @@ class NativeCpuAttention(AttentionBackend):
         no K/V views: on a single stream of SmolLM2 int4 (30 layers) the general call's
         views, transposes and frames had cost about half a millisecond a step (9.29 ->
         8.71 ms, an interleaved A/B on the AVX2 EPYC)."""
-        tables = metadata.tables(layer)
-        if metadata.decode_only:
-            block_tables, context_lens = tables.decode_block_tables, tables.decode_context_lens
-        else:
-            block_tables, context_lens = tables.row_block_tables, tables.row_context_lens
-        key_cache = metadata.cache.keys[layer]
-        out = self._kernel(
-            q.to(key_cache.dtype).contiguous(),
-            key_cache,
-            metadata.cache.values[layer],
-            block_tables,
-            context_lens,
+        cache = metadata.cache
+        return self._run(
+            q.transpose(0, 1),  # _run's [heads, tokens, dim]: a view it transposes back
+            cache.keys[layer],
+            cache.values[layer],
+            *_row_tables(metadata, layer),
             scale,
-            sliding_window or 0,
-            0.0,
+            sliding_window,
             None,
         )
-        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def decode(
         self,
@@ -242,6 +228,18 @@ class NativeCpuAttention(AttentionBackend):
             None if sinks is None else sinks.detach().float().contiguous(),
         )
         return out.to(q.dtype)
+
+
+def _row_tables(
+    metadata: AttentionMetadata, layer: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The block tables and context lengths the native kernel reads for ``layer``: the
+    decode tables when every row is a decode, else one table per row (the builder gives
+    every row one when the step has prefill rows)."""
+    tables = metadata.tables(layer)
+    if metadata.decode_only:
+        return tables.decode_block_tables, tables.decode_context_lens
+    return tables.row_block_tables, tables.row_context_lens
 
 
 def decode_attention(

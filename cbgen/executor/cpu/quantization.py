@@ -81,8 +81,7 @@ def _native_quantizer(weight: torch.Tensor) -> Any:
     the kernels are off: the torch path stands in."""
     if weight.device.type != "cpu" or weight.dtype not in _NATIVE_QUANTIZE_DTYPES:
         return None
-    native = _native_kernel()
-    return native if native is not None and hasattr(native, "quantize_4bit") else None
+    return _native_kernel()
 
 
 _NATIVE_QUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

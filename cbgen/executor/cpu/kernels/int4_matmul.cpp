@@ -119,10 +119,10 @@ at::Tensor pack_scales_minima(const at::Tensor& scales, const at::Tensor& minima
 
 // codes: uint8 [n, k] in 0..15 to [n / 16, k / 32, layout...] (256 bytes a block and
 // group of 32), with place(out, r, code) writing row r's 32 codes of a group (code(j),
-// j < 32) into its block's 256 bytes; then pack_scales_minima, one pair a row per scale group (k /
-// scales.size(1) columns, a multiple of 32). With nibbles, codes are [n, k / 2], two a
-// byte (column 2j in the low nibble of byte j): quantize_4bit's and QuantizedLinear's
-// form, packed without widening every code to a byte first.
+// j < 32) into its block's 256 bytes; then pack_scales_minima, one pair a row per scale
+// group (k / scales.size(1) columns, a multiple of 32). With nibbles, codes are
+// [n, k / 2], two a byte (column 2j in the low nibble of byte j): quantize_4bit's and
+// QuantizedLinear's form, packed without widening every code to a byte first.
 template <typename Place>
 std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& scales,
                                   const at::Tensor& minima, bool nibbles,
@@ -407,8 +407,8 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
 bool int4_bf16_available() { return CBGEN_INT4_BF16 != 0; }
 
 // codes: uint8 [n, k] in 0..15 (with nibbles [n, k / 2], two a byte); scales, minima:
-// float32 [n, k / group], the group a multiple of 32. Returns (packed uint8 [n / 16, k / 32, 8, 32], scales then minima
-// bfloat16 [n / 16, k / group, 32]).
+// float32 [n, k / group], the group a multiple of 32. Returns (packed uint8 [n / 16,
+// k / 32, 8, 32], scales then minima bfloat16 [n / 16, k / group, 32]).
 std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima, bool nibbles) {
   return pack_4bit(codes, scales, minima, nibbles, {8, 32}, "int4_bf16_pack",

@@ -28,14 +28,7 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 16;
 
-template <typename T>
-inline float widen(T v) {
-  return static_cast<float>(v);
-}
-
-// The first row holding a value that is not finite, or -1.
-int64_t first_bad_row(const std::atomic<int64_t>& bad) { return bad.load(); }
-
+// bad holds the first row with a value that is not finite, or -1.
 void note_bad(std::atomic<int64_t>& bad, int64_t row) {
   int64_t seen = bad.load();
   while ((seen < 0 || row < seen) && !bad.compare_exchange_weak(seen, row)) {
@@ -54,7 +47,7 @@ void quantize_4bit_rows(const T* w, int64_t n, int64_t k, int64_t group, uint8_t
         float low = INFINITY, high = -INFINITY;
         bool finite = true;
         for (int64_t i = 0; i < group; ++i) {
-          const float v = widen(src[i]);
+          const float v = static_cast<float>(src[i]);
           finite = finite && std::isfinite(v);
           values[i] = v;
           low = std::min(low, v);
@@ -67,13 +60,13 @@ void quantize_4bit_rows(const T* w, int64_t n, int64_t k, int64_t group, uint8_t
         const float scale = std::max((high - low) / 15.0f, 1e-10f);
         scales[r * groups + g] = scale;
         minima[r * groups + g] = low;
+        auto code = [&](float v) {
+          const float c = std::nearbyint((v - low) / scale);
+          return static_cast<uint8_t>(std::min(std::max(c, 0.0f), 15.0f));
+        };
         uint8_t* out = packed + (r * k + g * group) / 2;
         for (int64_t i = 0; i < group; i += 2) {
-          const float a = std::nearbyint((values[i] - low) / scale);
-          const float b = std::nearbyint((values[i + 1] - low) / scale);
-          const auto lo = static_cast<uint8_t>(std::min(std::max(a, 0.0f), 15.0f));
-          const auto hi = static_cast<uint8_t>(std::min(std::max(b, 0.0f), 15.0f));
-          out[i / 2] = static_cast<uint8_t>(lo | (hi << 4));
+          out[i / 2] = static_cast<uint8_t>(code(values[i]) | (code(values[i + 1]) << 4));
         }
       }
     }
@@ -89,7 +82,7 @@ void quantize_8bit_rows(const T* w, int64_t n, int64_t k, int8_t* codes, float* 
       float largest = 0.0f;
       bool finite = true;
       for (int64_t i = 0; i < k; ++i) {
-        const float v = widen(src[i]);
+        const float v = static_cast<float>(src[i]);
         finite = finite && std::isfinite(v);
         largest = std::max(largest, std::fabs(v));
       }
@@ -101,7 +94,7 @@ void quantize_8bit_rows(const T* w, int64_t n, int64_t k, int8_t* codes, float* 
       scales[r] = scale;
       int8_t* out = codes + r * k;
       for (int64_t i = 0; i < k; ++i) {
-        const float c = std::nearbyint(widen(src[i]) / scale);
+        const float c = std::nearbyint(static_cast<float>(src[i]) / scale);
         out[i] = static_cast<int8_t>(std::min(std::max(c, -127.0f), 127.0f));
       }
     }
@@ -117,7 +110,7 @@ void check_weight(const at::Tensor& weight, const char* name) {
 }
 
 void refuse_bad(const std::atomic<int64_t>& bad, const char* name) {
-  const int64_t row = first_bad_row(bad);
+  const int64_t row = bad.load();
   TORCH_CHECK_VALUE(row < 0, name, ": row ", row,
                     " of the weight holds a value that is not finite (NaN or infinity)");
 }
