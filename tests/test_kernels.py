@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -225,6 +227,20 @@ def test_build_is_keyed_by_machine():
     assert len(key) == 16 and key == machine_key()
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert "-march=native" in compile_flags()
+
+
+def test_build_is_keyed_by_where_the_sources_are(tmp_path):
+    """torch's ``load`` rebuilds when the source paths differ, even for the same bytes: a
+    second checkout sharing the cache gets a folder of its own instead of rebuilding the
+    first one's in turn."""
+    here = Path(kernels.__file__).parent
+    for name in kernels.SOURCES + kernels.HEADERS:
+        shutil.copy(here / name, tmp_path / name)
+    copied = machine_key(tmp_path)
+    assert copied != machine_key() and copied == machine_key(tmp_path)
+    with open(tmp_path / kernels.SOURCES[0], "a") as source:
+        source.write("// edited\n")
+    assert machine_key(tmp_path) != copied
 
 
 @needs_kernel

@@ -140,13 +140,14 @@ def compile_flags() -> list[str]:
     return flags
 
 
-def machine_key() -> str:
+def machine_key(here: Path = Path(__file__).parent) -> str:
     """A short hash of what a ``-march=native`` binary depends on: CPU, flags, torch, and
-    the sources themselves, so two checkouts of different versions sharing one cache
-    directory keep a build each instead of rebuilding over each other in turn."""
+    the sources themselves and where they are, so two checkouts sharing one cache
+    directory keep a build each instead of rebuilding over each other in turn (torch's
+    ``load`` rebuilds when the source paths it recorded differ, even for the same bytes:
+    a clean clone's test run made the main checkout's next load wait two minutes)."""
     import torch
 
-    here = Path(__file__).parent
     sources = hashlib.sha256(b"".join((here / name).read_bytes() for name in SOURCES + HEADERS))
     parts = [
         platform.machine(),
@@ -154,5 +155,6 @@ def machine_key() -> str:
         " ".join(compile_flags()),
         cpu_signature(),
         sources.hexdigest(),
+        str(here.resolve()),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
