@@ -470,22 +470,23 @@ def test_int4_avx2_kernel_is_the_dequantized_product(rows, blocks, groups, group
 @needs_kernel
 @settings(max_examples=20, deadline=None)
 @given(
+    batch=st.integers(5, 7),
     blocks=st.integers(1, 4),
     groups=st.integers(1, 4),
     group=st.sampled_from([32, 64, 128, 256]),
     seed=st.integers(0, 2**16),
 )
 def test_int4_avx2_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch(
-    blocks, groups, group, seed
+    batch, blocks, groups, group, seed
 ):
-    """int4's AVX2 kernel takes rows two at a time (one alone at the end of an odd
-    batch) with exact int32 sums and the same float arithmetic per row, so a row's output
-    does not depend on the rows beside it, to the bit: at the sums' limits too (every
-    code 15 against activations of +-32767)."""
+    """int4's AVX2 kernel takes rows four at a time (the last one to three of a batch
+    together) with exact int32 sums and the same float arithmetic per row, so a row's
+    output does not depend on the rows beside it, to the bit: at the sums' limits too
+    (every code 15 against activations of +-32767)."""
     kernel = decode_kernel()
     if not kernel.int4_avx2_available():
         pytest.skip("int4's AVX2 kernel is not built here")
-    x, codes, scales, minima = _random_4bit_inputs(5, blocks, groups, group, seed)
+    x, codes, scales, minima = _random_4bit_inputs(batch, blocks, groups, group, seed)
     codes[:16] = 15
     x[1], x[2] = 1.0, -1.0  # every int16 activation at +-32767
     x = x.to(torch.bfloat16)
