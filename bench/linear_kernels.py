@@ -30,7 +30,7 @@ from transformers import AutoConfig
 from cbgen.bench.workloads import resolve_model
 from cbgen.executor.cpu.kernels import decode_kernel
 from cbgen.executor.cpu.prepack import PackedMap
-from cbgen.executor.cpu.quantization import Int4Map, QuantizedLinear, _unpack_nibbles
+from cbgen.executor.cpu.quantization import Int4Map, QuantizedLinear
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -73,9 +73,7 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
         linear_map.rows_limit = 0
     if kind == "int4-torch":  # torch's own 4-bit kernel instead of cbgen's
         linear_map = Int4Map(
-            _unpack_nibbles(module.codes),
-            module.scales,
-            module.minima,
+            *module.unpacked(),
             module.group_size,
             None,
             use_native_kernels=False,

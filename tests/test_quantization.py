@@ -43,11 +43,9 @@ def _reference(module: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     rows = x.to(torch.bfloat16).float().reshape(-1, x.shape[-1])
     if getattr(module.kernel(), "path", None) != "vnni":
         return F.linear(rows, dequantize(module), bias).view(*x.shape[:-1], -1)
-    # The kernel keeps scales and minima in bfloat16.
-    scales, minima = (t.to(torch.bfloat16).float() for t in (module.scales, module.minima))
-    codes = module.codes
-    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1, 32)
-    weight = (nibbles.float() * scales[..., None] + minima[..., None]).view(codes.shape[0], -1)
+    codes, scales, minima = module.unpacked()  # scales and minima bfloat16, as kernels keep
+    groups = codes.float().view(codes.shape[0], -1, 32)
+    weight = (groups * scales[..., None] + minima[..., None]).view(codes.shape[0], -1)
     quantized = _int8_groups(rows)
     out = F.linear(quantized, weight, bias)
     lost = (rows - quantized).view(rows.shape[0], -1, 32).sum(dim=-1)  # [rows, groups]
@@ -118,7 +116,12 @@ def test_int4_finds_a_q4_1_grid_back():
     codes[..., 0], codes[..., 1] = 0, 15
     weight = (codes * scales[..., None] + minima[..., None]).view(48, 64)
     module = QuantizedLinear.from_linear(_with_weight(weight), "int4")
-    assert torch.allclose(dequantize(module), weight, atol=1e-6)
+    got_codes, got_scales, got_minima = module.unpacked()
+    assert torch.equal(got_codes.view(48, 2, 32), codes.to(torch.uint8))
+    assert torch.allclose(got_scales, scales, rtol=2**-8, atol=0)
+    assert torch.allclose(got_minima, minima, rtol=2**-8, atol=0)
+    rounded = (codes * got_scales[..., None] + got_minima[..., None]).view(48, 64)
+    assert torch.allclose(dequantize(module), rounded, atol=1e-6)
     x = torch.randn(3, 64)
     with torch.inference_mode():
         got = module(x)
@@ -154,7 +157,7 @@ def test_quantize_model_replaces_linears_and_keeps_unfit_shapes():
     with torch.inference_mode():
         assert odd[0](torch.randn(5, 24)).shape == (5, 8)
     assert "mode=int4, group_size=32" in repr(model[0])
-    assert {"codes", "scales", "minima", "bias"} <= {k.split(".")[-1] for k in model.state_dict()}
+    assert set(model[0].state_dict()) == {"codes", "scales_minima", "bias"}
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
@@ -171,6 +174,8 @@ def test_fused_siblings_equal_separate_kernels(mode):
     torch.manual_seed(2)
     block = Block()
     quantize_model(block, mode)
+    members = [block.q_proj, block.k_proj, block.v_proj]
+    before = [m.unpacked() for m in members] if mode != "int8" else []
     x = torch.randn(5, 64)
     with torch.inference_mode():
         alone = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
@@ -180,19 +185,65 @@ def test_fused_siblings_equal_separate_kernels(mode):
         assert all(m._map is None for m in (block.q_proj, block.k_proj, block.v_proj))
         fused = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
         if mode != "int8":
-            members = [block.q_proj, block.k_proj, block.v_proj]
             group = packed.fused_weight(tuple(members))
-            repacked = QuantizedLinear._build(members)  # no member kernels now: a fresh pack
+            parts = [m.unpacked() for m in members]
+            repacked = Int4Map(  # the joined codes packed afresh
+                *(torch.cat([part[i] for part in parts]) for i in range(3)),
+                32,
+                None,
+                int8_activations=mode == "w4a8",
+            )
             assert group.path == repacked.path and group.out_features == 128
             assert torch.equal(group.packed, repacked.packed)
             if group.path != "torch":
                 assert torch.equal(group.scales_minima, repacked.scales_minima)
+                # The members hold views of the group's tensors, not copies of their own.
+                for member in members:
+                    for mine, its in (
+                        (member.codes, group.packed),
+                        (member.scales_minima, group.scales_minima),
+                    ):
+                        assert mine.untyped_storage().data_ptr() == its.untyped_storage().data_ptr()
         packed.restore()
-    for a, b in zip(alone, fused, strict=True):
-        assert torch.equal(a, b)
+        after = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]  # each from its view
+    for a, b, c in zip(alone, fused, after, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    for member, was in zip(members if before else [], before, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(member.unpacked(), was, strict=True))
 
 
 needs_kernel = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
+
+
+@pytest.mark.parametrize("mode", ["int4", "w4a8"])
+@pytest.mark.parametrize("native", [True, False])
+def test_a_4bit_module_holds_the_codes_its_kernel_reads(mode, native):
+    """A 4-bit module keeps its codes in its kernel's layout and bfloat16 scales and
+    minima, and the kernel serves from those very tensors (no second copy); unpacked()
+    gives back the quantizer's codes and its scales and minima rounded to bfloat16, on
+    the native layouts and on torch's (the kernels off)."""
+    from cbgen.executor.cpu import quantization
+
+    torch.manual_seed(7)
+    linear = nn.Linear(128, 48, bias=False)
+    with pytest.MonkeyPatch.context() as patch:
+        if not native:
+            patch.setattr(quantization, "_native_kernel", lambda: None)
+        module = QuantizedLinear.from_linear(linear, mode)
+        kernel = module.kernel()
+    if kernel.path == "torch":
+        assert module.layout == "rows" and module.codes.shape == (48, 64)
+    else:
+        assert module.layout == ("quads" if kernel.path == "vnni" else "pairs")
+        assert kernel.packed is module.codes and kernel.scales_minima is module.scales_minima
+    assert native or module.layout == "rows"
+    codes, scales, minima = quantize_int4(linear.weight)
+    got = module.unpacked()
+    assert torch.equal(got[0], codes)
+    assert torch.equal(got[1], scales.to(torch.bfloat16).float())
+    assert torch.equal(got[2], minima.to(torch.bfloat16).float())
+    assert module.scales_minima.dtype == torch.bfloat16
+    assert module.scales_minima.shape == (3, 4, 32)
 
 
 @needs_kernel
@@ -307,7 +358,7 @@ def test_load_model_takes_a_4bit_group_size():
         "smollm2", quantization="int4", quantization_group_size=64, tokenizer=False
     )
     q_proj = model.model.layers[0].self_attn.q_proj
-    assert q_proj.group_size == 64 and q_proj.scales.shape == (576, 576 // 64)
+    assert q_proj.group_size == 64 and q_proj.scales_minima.shape == (576 // 16, 576 // 64, 32)
     assert model.lm_head.mode == "int8"
     with pytest.raises(ValueError, match="4-bit modes"):
         cbgen.load_model("smollm2", quantization="int8", quantization_group_size=64)
@@ -359,7 +410,7 @@ def test_w4a8_runs_the_vnni_kernel_on_int8_activations():
     linear = nn.Linear(96, 48, bias=True)
     w4a8 = QuantizedLinear.from_linear(linear, "w4a8")
     int4 = QuantizedLinear.from_linear(linear, "int4")
-    assert torch.equal(w4a8.codes, int4.codes) and int4.kernel().path != "vnni"
+    assert torch.equal(w4a8.unpacked()[0], int4.unpacked()[0]) and int4.kernel().path != "vnni"
     if not decode_kernel().int4_vnni_available():
         pytest.skip("this CPU has no AVX512-VNNI: w4a8 runs the int4 kernel")
     assert w4a8.kernel().path == "vnni"

@@ -196,12 +196,15 @@ def reference_greedy_off(engine, model, prompt, max_new):
         engine.resume()
 
 
-def test_a_quantized_model_takes_float_weights_and_quantizes_them_again():
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
+def test_a_quantized_model_takes_float_weights_and_quantizes_them_again(mode):
+    """Also where a fused group's members hold views of its codes (4-bit): the new codes
+    go into them in place, and the engine rebuilt from them gives the new model's tokens."""
     model = make_tiny_model("llama")
     update = make_tiny_model("llama", seed=9)
     want_model = copy.deepcopy(update)
-    quantize_model(model, "int8")
-    quantize_model(want_model, "int8")
+    quantize_model(model, mode)
+    quantize_model(want_model, mode)
     prompts = random_prompts(2, 4, 12, seed=6)
     with EngineCore(want_model, EngineConfig(**CONFIG)) as engine:
         expected = _generate(engine, prompts)

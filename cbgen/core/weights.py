@@ -98,10 +98,15 @@ def _requantize(module: QuantizedLinear, weight: torch.Tensor) -> None:
         module.codes.copy_(codes)
         module.scales.copy_(scales)
     else:
+        # In place: a fused group's members hold views of its codes.
         fresh = QuantizedLinear.from_linear(_linear(weight), module.mode, module.group_size)
+        if fresh.layout != module.layout:
+            raise ValueError(
+                f"{module.layout!r} codes cannot take {fresh.layout!r} ones: the model was "
+                "quantized where other kernels ran"
+            )
         module.codes.copy_(fresh.codes)
-        module.scales.copy_(fresh.scales)
-        module.minima.copy_(fresh.minima)
+        module.scales_minima.copy_(fresh.scales_minima)
     module._map = None  # the kernel built from the old codes
 
 

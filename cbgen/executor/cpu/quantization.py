@@ -152,10 +152,22 @@ def dequantize(module: QuantizedLinear) -> torch.Tensor:
     """The float32 weight ``module`` stands for (the reference its kernels are tested on)."""
     if module.mode == "int8":
         return module.codes.float() * module.scales[:, None]
+    codes, scales, minima = module.unpacked()
     groups = module.in_features // module.group_size
-    codes = _unpack_nibbles(module.codes).float().view(module.out_features, groups, -1)
-    weight = codes * module.scales[..., None] + module.minima[..., None]
+    weight = codes.float().view(module.out_features, groups, -1)
+    weight = weight * scales[..., None] + minima[..., None]
     return weight.view(module.out_features, module.in_features)
+
+
+def _scales_minima(scales: torch.Tensor, minima: torch.Tensor) -> torch.Tensor:
+    """float32 ``[out, groups]`` scales and minima as the kernels keep them: bfloat16
+    ``[out / 16, groups, 32]``, each block of 16 rows' scales then its minima."""
+    blocks, groups = scales.shape[0] // 16, scales.shape[1]
+
+    def reblock(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).reshape(blocks, 16, groups).transpose(1, 2)
+
+    return torch.cat([reblock(scales), reblock(minima)], dim=2).contiguous()
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -171,12 +183,31 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return codes
 
 
+# How a 4-bit module's codes lie, by the kernel that reads them: int4_bf16_pack's
+# blocks of 16 rows by pairs of adjacent columns (the "bf16" and "avx2" paths), or
+# int4_vnni_pack's by quads (w4a8's "vnni"), or two codes a byte along each row (torch's
+# kernel, which repacks them its own way). Units of each group of 32 codes, and the codes
+# in a unit: the native layouts are [blocks, groups, units, 16 rows, codes a unit].
+LAYOUTS = {"pairs": (8, 2), "quads": (4, 4), "rows": (0, 0)}
+_PATH_LAYOUT = {"bf16": "pairs", "avx2": "pairs", "vnni": "quads", "torch": "rows"}
+
+
 class QuantizedLinear(nn.Module):
     """A linear map with int8 or 4-bit weights (buffers, so ``state_dict`` keeps them).
 
     Made with ``from_linear``; ``forward`` takes any float input (computed in bfloat16,
     returned in the input's dtype). ``fused_map`` builds one kernel over several
     siblings (q/k/v, gate/up) for ``cbgen.executor.cpu.prepack.PackedLinears``.
+
+    int8: ``codes`` int8 ``[out, in]`` and ``scales`` float32 ``[out]``. 4-bit: ``codes``
+    in the layout of the kernel that runs them on this machine (``layout``, see
+    ``LAYOUTS``) and ``scales_minima``, bfloat16 ``[out / 16, in / group_size, 32]``
+    (each block of 16 rows' scales, then its minima): the kernels read the module's own
+    tensors, and a fused group's members hold views of the group's. A 1B model had kept
+    its codes and float32 scales twice, the module's and the kernel's (0.7 GB of its
+    2.45 GB). ``unpacked()`` gives codes, scales and minima in rows, whatever the
+    layout; the state dict is the layout's, so it moves between machines whose kernels
+    read the same one.
     """
 
     def __init__(
@@ -186,46 +217,69 @@ class QuantizedLinear(nn.Module):
         mode: str,
         codes: torch.Tensor,
         scales: torch.Tensor,
-        minima: torch.Tensor | None,
         bias: torch.Tensor | None,
         group_size: int = 0,
+        layout: str = "rows",
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.mode, self.group_size = mode, group_size
+        self.mode, self.group_size, self.layout = mode, group_size, layout
         self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
-        self.register_buffer("minima", minima)
+        self.register_buffer("scales" if mode == "int8" else "scales_minima", scales)
         self.register_buffer("bias", bias)
         self._map: LinearMap | None = None
 
     codes: torch.Tensor
-    scales: torch.Tensor
-    minima: torch.Tensor
+    scales: torch.Tensor  # int8
+    scales_minima: torch.Tensor  # 4-bit
     bias: torch.Tensor | None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 32) -> QuantizedLinear:
         bias = linear.bias.detach().float().clone() if linear.bias is not None else None
+        out_features, in_features = linear.out_features, linear.in_features
         if mode == "int8":
             codes, scales = quantize_int8(linear.weight)
-            return cls(linear.in_features, linear.out_features, mode, codes, scales, None, bias)
-        if mode in FOUR_BIT_MODES:
-            packed, scales, minima = quantize_int4_packed(linear.weight, group_size)
-            return cls(
-                linear.in_features,
-                linear.out_features,
-                mode,
-                packed,
-                scales,
-                minima,
-                bias,
-                group_size,
-            )
-        raise ValueError(f"unknown quantization mode {mode!r}")
+            return cls(in_features, out_features, mode, codes, scales, bias)
+        if mode not in FOUR_BIT_MODES:
+            raise ValueError(f"unknown quantization mode {mode!r}")
+        nibbles, scales, minima = quantize_int4_packed(linear.weight, group_size)
+        native = _native_4bit(out_features, in_features, nibbles.device, group_size)
+        layout = _PATH_LAYOUT[_four_bit_path(native, mode == "w4a8", group_size)]
+        if layout == "rows":
+            codes, scales_minima = nibbles, _scales_minima(scales, minima)
+        else:
+            pack = native.int4_vnni_pack if layout == "quads" else native.int4_bf16_pack
+            codes, scales_minima = pack(nibbles, scales, minima, nibbles=True)
+        return cls(in_features, out_features, mode, codes, scales_minima, bias, group_size, layout)
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A 4-bit module's ``(codes uint8 [out, in] in 0..15, scales, minima float32
+        [out, in / group_size])``, ``weight ~= codes * scale + minimum``, from whichever
+        layout holds them (the reference the kernels are tested on; not a fast path)."""
+        if self.mode not in FOUR_BIT_MODES:
+            raise ValueError(f"unpacked() is for 4-bit modules, not {self.mode}")
+        n, k = self.out_features, self.in_features
+        units, width = LAYOUTS[self.layout]
+        if self.layout == "rows":
+            codes = _unpack_nibbles(self.codes)
+        else:
+            blocks, groups = n // 16, k // 32
+            unit = self.codes.view(blocks, groups, units, 16, width).permute(0, 3, 1, 2, 4)
+            low = (unit & 15).reshape(blocks, 16, groups, 16)
+            high = (unit >> 4).reshape(blocks, 16, groups, 16)
+            codes = torch.cat([low, high], dim=-1).reshape(n, k)
+        both = self.scales_minima.float().transpose(1, 2)  # [blocks, 32, scale groups]
+        scales = both[:, :16].reshape(n, -1)
+        minima = both[:, 16:].reshape(n, -1)
+        return codes, scales, minima
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.mode in FOUR_BIT_MODES else ""
+        group = (
+            f", group_size={self.group_size}, layout={self.layout}"
+            if self.mode in FOUR_BIT_MODES
+            else ""
+        )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"mode={self.mode}{group}, bias={self.bias is not None}"
@@ -245,8 +299,9 @@ class QuantizedLinear(nn.Module):
     def fused_map(cls, modules: list[Any]) -> LinearMap | None:
         """One kernel for ``modules`` side by side (their outputs concatenated), or None if
         they differ in mode, group size or having a bias. A single module's is its own
-        kernel; a fused group's replaces the members' own, which are dropped (their
-        packed codes would otherwise stay resident beside the group's)."""
+        kernel; a fused group's replaces the members' own, which are dropped. A native
+        4-bit group's codes are the members' stacked, and each member then holds a view
+        of its rows there instead of its own copy."""
         if len(modules) == 1:
             return modules[0].kernel()  # type: ignore[no-any-return]
         first = modules[0]
@@ -257,6 +312,12 @@ class QuantizedLinear(nn.Module):
         fused = cls._build(modules)
         for module in modules:
             module._map = None
+        if isinstance(fused, Int4Map) and fused.path != "torch":
+            start = 0
+            for module in modules:
+                rows = slice(start, start + module.out_features // 16)
+                module.codes, module.scales_minima = fused.packed[rows], fused.scales_minima[rows]
+                start = rows.stop
         return fused
 
     @staticmethod
@@ -267,19 +328,21 @@ class QuantizedLinear(nn.Module):
             return Int8Map(
                 _joined([m.codes for m in modules]), _joined([m.scales for m in modules]), bias
             )
-        built = [m._map for m in modules]
-        if all(isinstance(b, Int4Map) for b in built):
-            fused = Int4Map.side_by_side(built, bias)
+        if first.layout != "rows" and all(m.layout == first.layout for m in modules):
+            maps = [Int4Map.of_module(m) for m in modules]
+            fused = maps[0] if len(maps) == 1 else Int4Map.side_by_side(maps, bias)
             if fused is not None:
                 return fused
+        parts = [m.unpacked() for m in modules]
+        codes, scales, minima = (_joined([part[i] for part in parts]) for i in range(3))
         return Int4Map(
-            _joined([m.codes for m in modules]),
-            _joined([m.scales for m in modules]),
-            _joined([m.minima for m in modules]),
+            codes,
+            scales,
+            minima,
             first.group_size,
             bias,
             int8_activations=first.mode == "w4a8",
-            nibbles=True,
+            use_native_kernels=False,
         )
 
 
@@ -383,11 +446,13 @@ class Int4Map(_QuantizedMap):
       here says so once in the log.
 
     The native kernels pack the codes each their own way (``int4_bf16_pack``,
-    ``int4_vnni_pack``) beside the same bfloat16 scales and minima. ``codes`` are uint8
-    ``[out, in]`` in 0..15, or with ``nibbles`` two a byte ``[out, in / 2]`` as
-    ``QuantizedLinear`` keeps them (the native packers read those directly: widening a
-    1B model's codes to a byte each first took a second of its load). Figures:
-    ``bench/linear_kernels.py --kinds int4-torch,int4,w4a8``.
+    ``int4_vnni_pack``) beside the same bfloat16 scales and minima. The constructor
+    packs: ``codes`` uint8 ``[out, in]`` in 0..15, or with ``nibbles`` two a byte
+    ``[out, in / 2]``, the quantizer's form (the native packers read those directly:
+    widening a 1B model's codes to a byte each first took a second of its load).
+    ``of_module`` serves a ``QuantizedLinear``'s tensors as they are: the module packs
+    once, when it is made. Figures: ``bench/linear_kernels.py --kinds
+    int4-torch,int4,w4a8``.
     """
 
     def __init__(
@@ -439,12 +504,53 @@ class Int4Map(_QuantizedMap):
             m.path != first.path or m.group_size != first.group_size for m in maps
         ):
             return None
-        fused = cls.__new__(cls)
-        _QuantizedMap.__init__(fused, sum(m.out_features for m in maps), bias)
-        fused.group_size, fused.native, fused.path = first.group_size, first.native, first.path
-        fused.packed = torch.cat([m.packed for m in maps])
-        fused.scales_minima = torch.cat([m.scales_minima for m in maps])
-        return fused
+        return cls._prepacked(
+            sum(m.out_features for m in maps),
+            bias,
+            first.group_size,
+            first.native,
+            first.path,
+            torch.cat([m.packed for m in maps]),
+            torch.cat([m.scales_minima for m in maps]),
+        )
+
+    @classmethod
+    def of_module(cls, module: QuantizedLinear) -> Int4Map:
+        """The native kernel over a 4-bit ``module``'s own packed tensors, not a copy
+        (``module.layout`` must be a native one)."""
+        native = _native_kernel()
+        path = _four_bit_path(native, module.mode == "w4a8", module.group_size)
+        if _PATH_LAYOUT[path] != module.layout:
+            raise ValueError(
+                f"codes packed for {module.layout!r}, but this machine's kernel reads "
+                f"{_PATH_LAYOUT[path]!r}: quantize the model here"
+            )
+        return cls._prepacked(
+            module.out_features,
+            module.bias,
+            module.group_size,
+            native,
+            path,
+            module.codes,
+            module.scales_minima,
+        )
+
+    @classmethod
+    def _prepacked(
+        cls,
+        out_features: int,
+        bias: torch.Tensor | None,
+        group_size: int,
+        native: Any,
+        path: str,
+        packed: torch.Tensor,
+        scales_minima: torch.Tensor,
+    ) -> Int4Map:
+        self = cls.__new__(cls)
+        _QuantizedMap.__init__(self, out_features, bias)
+        self.group_size, self.native, self.path = group_size, native, path
+        self.packed, self.scales_minima = packed, scales_minima
+        return self
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "bf16":
