@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_until_done
+from conftest import make_tiny_model, random_prompts, run_until_done
 
+import cbgen
 from cbgen import EngineConfig, EngineCore, SamplingParams
 from cbgen.executor.cpu.embedding_rows import FileRows, file_rows
 from cbgen.executor.cpu.prepack import file_backed_ranges, page_out
@@ -92,3 +93,34 @@ def test_the_bundled_model_embeds_from_its_file_with_the_same_outputs(smollm2):
                 0, len(prompt) :
             ].tolist()
         assert outputs[str(i)] == expected
+
+
+def test_a_quantized_folder_keeps_its_embedding_in_the_file(tmp_path):
+    """Loading a bfloat16 folder with quantization copies what quantization left out of
+    the file, except the input embedding: it stays a mapping with its pages dropped, and
+    the fast decoder reads its rows from the file, the same tokens as from a copy."""
+    make_tiny_model("llama").to(torch.bfloat16).save_pretrained(tmp_path)
+    model, _ = cbgen.load_model(str(tmp_path), quantization="int4", tokenizer=False)
+    table = model.get_input_embeddings().weight
+    assert file_rows(table.detach()) is not None
+    assert _resident_pages(table) <= 2  # at most the end pages it shares with its neighbours
+    assert file_rows(model.model.norm.weight.detach()) is None  # copied out
+
+    def tokens() -> dict[str, list[int]]:
+        engine = EngineCore(model, EngineConfig())
+        try:
+            fast = engine.executor.runner.fast_forward
+            assert fast is not None
+            embed = type(fast._embed)
+            for i, prompt in enumerate(random_prompts(3, 4, 12, seed=4)):
+                engine.add_request(prompt, SamplingParams(max_new_tokens=6), request_id=str(i))
+            return {rid: out.token_ids for rid, out in run_until_done(engine).items()}, embed
+        finally:
+            engine.close()
+
+    from_file, embed = tokens()
+    assert embed is FileRows
+    with torch.no_grad():
+        table.data = table.data.clone()  # the same values in ordinary memory
+    from_copy, embed = tokens()
+    assert embed is not FileRows and from_copy == from_file
