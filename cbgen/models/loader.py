@@ -131,7 +131,7 @@ def _release_file_mappings(model: torch.nn.Module) -> None:
     dropped, so the fast decoder reads only the rows it looks up (``FileRows``) instead
     of holding the whole table (0.5 GB of the 1B shape's 1.8 GB peak; 0.6 GB on 3B).
     """
-    from ..executor.cpu.embedding_rows import file_rows
+    from ..executor.cpu.embedding_rows import rows_in_file
     from ..executor.cpu.prepack import file_backed_ranges, page_out
     from ..executor.cpu.quantization import QuantizedLinear
 
@@ -139,7 +139,7 @@ def _release_file_mappings(model: torch.nn.Module) -> None:
     file_maps = file_backed_ranges()
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     table = getattr(embedding, "weight", None)
-    if isinstance(table, torch.Tensor) and file_rows(table.detach()) is not None:
+    if isinstance(table, torch.Tensor) and rows_in_file(table.detach()) is not None:
         seen.add(id(table))
         page_out(table.detach(), file_maps)
     with torch.no_grad():

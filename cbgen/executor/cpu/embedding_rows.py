@@ -50,8 +50,15 @@ class FileRows:
 
 
 def file_rows(weight: torch.Tensor) -> FileRows | None:
-    """A ``FileRows`` over ``weight`` if it is a contiguous 2-D CPU tensor lying in one
-    memory-mapped file and none of its pages was written; else None (use the tensor)."""
+    """A ``FileRows`` over ``weight`` if ``rows_in_file`` finds it; else None (use the
+    tensor)."""
+    location = rows_in_file(weight)
+    return FileRows(weight, *location) if location is not None else None
+
+
+def rows_in_file(weight: torch.Tensor) -> tuple[str, int] | None:
+    """The file and byte offset ``weight`` is read from, if it is a contiguous 2-D CPU
+    tensor lying in one memory-mapped file and none of its pages was written; else None."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
         return None
     location = _file_location(weight)
@@ -60,9 +67,7 @@ def file_rows(weight: torch.Tensor) -> FileRows | None:
     page = mmap.PAGESIZE
     start = weight.data_ptr() // page * page
     end = -(-(weight.data_ptr() + weight.numel() * weight.element_size()) // page) * page
-    if not unmodified_file_pages(start, end, page):
-        return None
-    return FileRows(weight, *location)
+    return location if unmodified_file_pages(start, end, page) else None
 
 
 def _file_location(tensor: torch.Tensor) -> tuple[str, int] | None:
