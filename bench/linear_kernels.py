@@ -3,7 +3,10 @@
 ``python bench/linear_kernels.py --rows 1,64,256 --threads 2 [--model shape:llama3.2-1b]``
 
 For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
-cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 4 rows), weight-only int8 (with
+cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 4 rows), plain bfloat16 weights
+widened to float32 a chunk at a time for torch's float32 GEMM (``bf16-widened``, what
+``bf16-packed`` runs from ``LANES_MAX_ROWS`` rows on where oneDNN packs no bfloat16),
+weight-only int8 (with
 cbgen's few-row kernel, and ``int8-torch``: torch's kernel at every row count), 4-bit
 (cbgen's bfloat16 kernel, and ``int4-torch``: torch's) and 4-bit with int8 activations
 (``w4a8``); ``int4-g64``, ``int4-g128``: 4-bit in larger groups) it builds the model's layer maps with q/k/v and
@@ -29,7 +32,7 @@ from transformers import AutoConfig
 
 from cbgen.bench.workloads import resolve_model
 from cbgen.executor.cpu.kernels import decode_kernel
-from cbgen.executor.cpu.prepack import PackedMap
+from cbgen.executor.cpu.prepack import PackedMap, widened_linear
 from cbgen.executor.cpu.quantization import Int4Map, QuantizedLinear
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -60,6 +63,9 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
         native = decode_kernel()
         assert native is not None and rows <= 4, "bf16-rows: native kernels, at most 4 rows"
         return (lambda x: native.bf16_rows_matmul(x, w)), w.numel() * 2, torch.bfloat16
+    if kind == "bf16-widened":
+        w = weight.to(torch.bfloat16).contiguous()
+        return (lambda x: widened_linear(x, w, None)), w.numel() * 2, torch.bfloat16
     if kind in ("fp32-packed", "bf16-packed"):  # bf16: plain weights where oneDNN has none
         dtype = torch.float32 if kind == "fp32-packed" else torch.bfloat16
         packed = PackedMap(weight.to(dtype), None, rows)

@@ -282,6 +282,54 @@ def test_bf16_row_kernel_is_the_product_to_one_rounding(
     assert bool(((got - want).abs() <= 2**-8 * want.abs() + 2**-20 * magnitude).all())
 
 
+needs_lanes_kernel = pytest.mark.skipif(
+    decode_kernel() is None or not decode_kernel().bf16_avx2_available(),
+    reason="bf16_avx2_matmul is built for AVX2 CPUs without AVX512-BF16 only",
+)
+
+
+@needs_lanes_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 140),
+    out_features=st.integers(1, 40),
+    in_features=st.integers(1, 300),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_lanes_kernel_is_the_product_to_one_rounding(
+    rows, out_features, in_features, bias, seed
+):
+    """AVX2's batch kernel for plain bf16 weights, at any shape: partial vectors of rows
+    (fewer than 8, 32 or 128 of them), odd weight rows, columns that are no multiple of
+    8 or of its 128-column chunks. Each output is the float32 sum of exact products and
+    the bias, rounded once to bfloat16."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    got = decode_kernel().bf16_avx2_matmul(x, weight, b).double()
+    want = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    magnitude = x.double().abs() @ weight.double().abs().t() + (b.double().abs() if bias else 0)
+    assert bool(((got - want).abs() <= 2**-8 * want.abs() + 2**-20 * magnitude).all())
+
+
+@needs_lanes_kernel
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(2, 140), seed=st.integers(0, 2**16))
+def test_bf16_lanes_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch(rows, seed):
+    """Each output's sum runs along the columns in order whatever the rows beside it, so
+    a request's logits do not depend on the batch it decodes in (to the bit)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(37, 300, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 300, generator=generator).to(torch.bfloat16)
+    kernel = decode_kernel()
+    batched = kernel.bf16_avx2_matmul(x, weight, None)
+    for row in (0, rows // 2, rows - 1):
+        alone = kernel.bf16_avx2_matmul(x[row : row + 1].contiguous(), weight, None)
+        assert torch.equal(alone[0].view(torch.int16), batched[row].view(torch.int16))
+
+
 @needs_row_kernel
 def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypatch):
     """With the row copy, 1-4 rows are the row kernel's output and 5 or more oneDNN's,
@@ -320,9 +368,11 @@ def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypat
 @pytest.mark.parametrize("row_copy", ["0", "1"])
 def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch, row_copy):
     """An AVX2-only CPU (oneDNN packs no bfloat16 there; forced here on any CPU) still
-    serves bfloat16 maps, fused as elsewhere: 1-4 rows on the row kernel and more on
-    the one plain copy widened to float32 (``widened_linear``), bit for bit, whatever the
-    row-copy setting; that is the float32 product to one bfloat16 rounding."""
+    serves bfloat16 maps, fused as elsewhere, from the one plain copy whatever the
+    row-copy setting: 1-4 rows on the row kernel, then up to ``LANES_MAX_ROWS`` on
+    ``bf16_avx2_matmul`` where it is built, the rest widened to float32
+    (``widened_linear``), bit for bit; each is the float32 product to one bfloat16
+    rounding."""
     monkeypatch.setattr(prepack, "onednn_packs", lambda dtype: dtype is not torch.bfloat16)
     monkeypatch.setenv(ROW_COPY_ENV, row_copy)
     torch.manual_seed(0)
@@ -330,18 +380,26 @@ def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch,
     packed = PackedLinears(model, dtype=torch.bfloat16)
     linear_map = packed.packed_weight(model[0])
     assert len(packed) == 2 and linear_map.packed is None
+    lanes = decode_kernel().bf16_avx2_available()
+    assert (linear_map.lanes_kernel is not None) == lanes
     with torch.inference_mode():
-        for rows in (1, 4, 5, 64):
+        for rows in (1, 4, 5, 64, prepack.LANES_MAX_ROWS - 1, prepack.LANES_MAX_ROWS):
             x = torch.randn(rows, 96).to(torch.bfloat16)
             got = model[0](x)
             if rows <= prepack.ROW_KERNEL_ROWS:
                 want = decode_kernel().bf16_rows_matmul(x, linear_map.weight, model[0].bias)
             else:
-                want = prepack.widened_linear(x, linear_map.weight, model[0].bias)
+                if lanes and rows < prepack.LANES_MAX_ROWS:
+                    kernel = decode_kernel()
+                    want = kernel.bf16_avx2_matmul(x, linear_map.weight, model[0].bias)
+                else:
+                    want = prepack.widened_linear(x, linear_map.weight, model[0].bias)
                 exact = F.linear(x.float(), model[0].weight.float(), model[0].bias.float())
-                # float32 sums in MKL's order: one bfloat16 rounding apart at most
+                # float32 sums in another order: one bfloat16 rounding apart at most
                 torch.testing.assert_close(want.float(), exact, rtol=2**-8, atol=1e-6)
             assert torch.equal(got, want)
+        x = torch.randn(2, 3, 96).to(torch.bfloat16)  # rows with a leading batch shape
+        assert torch.equal(model[0](x), model[0](x.reshape(6, 96)).view(2, 3, 160))
     packed.restore()
 
 

@@ -113,7 +113,8 @@ class PackedMap(LinearMap):
 
     Where oneDNN cannot pack the dtype (bfloat16 on an AVX2-only CPU: ``onednn_packs``)
     the map holds the plain weight alone (``packed`` is None): the row kernel's AVX2
-    build for a few rows, ``widened_linear`` for more.
+    build for a few rows, ``bf16_avx2_matmul`` (rows in the vector lanes) up to
+    ``LANES_MAX_ROWS``, ``widened_linear`` for more.
     """
 
     def __init__(
@@ -131,6 +132,9 @@ class PackedMap(LinearMap):
         self.rows_kernel = (
             _bf16_rows_kernel() if (row_copy or plain) and weight.dtype is torch.bfloat16 else None
         )
+        self.lanes_kernel = (
+            _bf16_lanes_kernel() if plain and weight.dtype is torch.bfloat16 else None
+        )
         keep = plain or self.rows_kernel is not None
         self.weight = weight.detach().contiguous() if keep else None
 
@@ -139,7 +143,12 @@ class PackedMap(LinearMap):
         if self.rows_kernel is not None and few:
             out = self.rows_kernel.bf16_rows_matmul(x, self.weight, self.bias)
         elif self.packed is None:
-            out = widened_linear(x, self.weight, self.bias)
+            rows = x.reshape(-1, x.shape[-1])
+            if self.lanes_kernel is not None and rows.shape[0] < LANES_MAX_ROWS:
+                out = self.lanes_kernel.bf16_avx2_matmul(rows, self.weight, self.bias)
+                out = out.view(*x.shape[:-1], self.out_features)
+            else:
+                out = widened_linear(x, self.weight, self.bias)
         else:
             out = packed_linear(x, self.packed, self.bias)
         if self.lora is not None:
@@ -149,6 +158,13 @@ class PackedMap(LinearMap):
     def accepts(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype
 
+
+# Below this many rows, bf16 maps without oneDNN packing run cbgen's bf16_avx2_matmul;
+# from here on widened_linear, whose float32 GEMM (MKL's) is the faster one. Layer maps of
+# SmolLM2 and the 1B shape on an AMD EPYC (Zen 3, 2 threads), GMAC/s, lanes against
+# widened: 8 rows 14-20 against 3-12, 64 rows 51-70 against 36-47, 96 rows 56-67
+# against 48-50, 128 rows 50-55 against 51-52, 256 rows 47-54 against 54-66.
+LANES_MAX_ROWS = 128
 
 # Weight bytes widened to float32 at a time by widened_linear (cache-sized chunks).
 WIDEN_CHUNK_BYTES = 8 << 20
@@ -191,6 +207,15 @@ def _bf16_rows_kernel() -> Any:
 
     kernel = decode_kernel()
     return kernel if kernel is not None and kernel.bf16_rows_available() else None
+
+
+def _bf16_lanes_kernel() -> Any:
+    """cbgen's native module where it has ``bf16_avx2_matmul`` (AVX2 and FMA builds without
+    AVX512-BF16), else None."""
+    from .kernels import decode_kernel
+
+    kernel = decode_kernel()
+    return kernel if kernel is not None and kernel.bf16_avx2_available() else None
 
 
 def row_copy_wanted(weight_bytes: int) -> bool:

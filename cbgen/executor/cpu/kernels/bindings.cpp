@@ -32,6 +32,9 @@ int64_t int8_rows_limit();
 bool bf16_rows_available();
 at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias);
+bool bf16_avx2_available();
+at::Tensor bf16_avx2_matmul(const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias);
 at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales);
 std::vector<at::Tensor> quantize_4bit(const at::Tensor& weight, int64_t group);
@@ -82,6 +85,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bf16_rows_matmul was compiled with AVX512-BF16");
   m.def("bf16_rows_matmul", &bf16_rows_matmul,
         "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), m <= 4 (CPU)", py::arg("x"),
+        py::arg("weight"), py::arg("bias") = py::none());
+  m.def("bf16_avx2_available", &bf16_avx2_available,
+        "whether bf16_avx2_matmul was compiled (AVX2 and FMA without AVX512-BF16)");
+  m.def("bf16_avx2_matmul", &bf16_avx2_matmul,
+        "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), any m, AVX2 (CPU)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none());
   m.def("quantize_4bit", &quantize_4bit,
         "weight [n, k] to 4-bit codes packed in nibbles, scales and minima per group (CPU)",
