@@ -184,7 +184,8 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
 // The rows go in the vector lanes: the activations are widened once a call into a panel
 // [row chunk of 32][k][32] float32, and each weight, widened by a shift, is broadcast
 // against four vectors of 8 rows. A register tile is 2 weight rows x 32 activation rows
-// (8 float32 sums, 4 activation vectors, a broadcast: 14 of AVX2's 16 registers), so no
+// (8 float32 sums, 4 activation vectors, a broadcast: 14 of AVX2's 16 registers; fewer
+// rows take more weight rows, 6 against 8 rows), so no
 // weight is ever transposed or copied. Each sum runs along k in order, one FMA a
 // column, through every chunk of columns (the tile's sums are kept between chunks), so a
 // row's outputs do not depend on the rows beside it, nor on the thread count.
@@ -193,7 +194,7 @@ namespace {
 
 constexpr int64_t kLaneRows = 32;     // activation rows a register tile takes (4 vectors)
 constexpr int64_t kColumns = 128;     // columns a tile runs between keeping its sums
-constexpr int64_t kBlockRows = 16;    // weight rows a task takes
+constexpr int64_t kBlockRows = 24;    // weight rows a task takes (a multiple of every tile's)
 constexpr int64_t kPanelRows = 128;   // activation rows a task's tiles hold at a time
 
 // The FMAs of `width` columns: each column's V activation vectors against the N
@@ -243,13 +244,21 @@ inline void lanes_tile(const uint16_t* w, int64_t k, const float* panel, int64_t
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(tile + n * kLaneRows + v * 8, acc[n][v]);
 }
 
+// Weight rows a tile takes against V vectors of activation rows: about 8 float32 sums
+// a tile, so fewer activation vectors share each broadcast among more weight rows (one
+// vector of 8 rows against 2 weight rows would do two FMAs a broadcast and a load).
+template <int V>
+constexpr int kTileWeights = V == 1 ? 6 : V == 2 ? 4 : V == 3 ? 3 : 2;
+
 template <int V>
 void lanes_rows(const uint16_t* w, int64_t k, int64_t rows, const float* panel,
                 int64_t columns, float* tiles, bool first) {
+  constexpr int N = kTileWeights<V>;
   int64_t n = 0;
-  for (; n + 2 <= rows; n += 2)
-    lanes_tile<2, V>(w + n * k, k, panel, columns, tiles + n * kLaneRows, first);
-  if (n < rows) lanes_tile<1, V>(w + n * k, k, panel, columns, tiles + n * kLaneRows, first);
+  for (; n + N <= rows; n += N)
+    lanes_tile<N, V>(w + n * k, k, panel, columns, tiles + n * kLaneRows, first);
+  for (; n < rows; ++n)
+    lanes_tile<1, V>(w + n * k, k, panel, columns, tiles + n * kLaneRows, first);
 }
 
 void lanes_matmul(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
