@@ -272,11 +272,19 @@ def test_bf16_row_kernel_is_the_product_to_one_rounding(
 ):
     """Any shape, tails included: the exact product of the bfloat16 numbers (and the
     bias, added before rounding), summed in float32 and rounded once to bfloat16."""
+    _assert_bf16_product("bf16_rows_matmul", rows, out_features, in_features, bias, seed)
+
+
+def _assert_bf16_product(
+    kernel: str, rows: int, out_features: int, in_features: int, bias: bool, seed: int
+) -> None:
+    """The native ``kernel`` on random bfloat16 inputs is the float64 product (and bias)
+    to one bfloat16 rounding, with float32 sums' error in the magnitudes' scale."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
     b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
-    got = decode_kernel().bf16_rows_matmul(x, weight, b).double()
+    got = getattr(decode_kernel(), kernel)(x, weight, b).double()
     want = x.double() @ weight.double().t() + (b.double() if bias else 0)
     magnitude = x.double().abs() @ weight.double().abs().t() + (b.double().abs() if bias else 0)
     assert bool(((got - want).abs() <= 2**-8 * want.abs() + 2**-20 * magnitude).all())
@@ -304,14 +312,7 @@ def test_bf16_lanes_kernel_is_the_product_to_one_rounding(
     (fewer than 8, 32 or 128 of them), odd weight rows, columns that are no multiple of
     8 or of its 128-column chunks. Each output is the float32 sum of exact products and
     the bias, rounded once to bfloat16."""
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
-    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
-    b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
-    got = decode_kernel().bf16_avx2_matmul(x, weight, b).double()
-    want = x.double() @ weight.double().t() + (b.double() if bias else 0)
-    magnitude = x.double().abs() @ weight.double().abs().t() + (b.double().abs() if bias else 0)
-    assert bool(((got - want).abs() <= 2**-8 * want.abs() + 2**-20 * magnitude).all())
+    _assert_bf16_product("bf16_avx2_matmul", rows, out_features, in_features, bias, seed)
 
 
 @needs_lanes_kernel

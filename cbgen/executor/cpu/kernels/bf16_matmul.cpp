@@ -137,6 +137,26 @@ void rows_matmul(const uint16_t* w, int64_t n, int64_t k, const uint16_t* x, con
 
 }  // namespace
 
+namespace {
+
+// The checks both entry points make: bfloat16 x [m, k] against a contiguous bfloat16
+// weight [n, k]; returns the bias as float32 (undefined when there is none).
+at::Tensor checked_bias(const char* name, const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x: bfloat16 [m, k]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous(),
+              name, ": weight: contiguous bfloat16 [n, k]");
+  TORCH_CHECK(weight.size(1) == x.size(1), name, ": x has ", x.size(1), " columns, weight ",
+              weight.size(1));
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == weight.size(0), name, ": bias has ", bias->numel(),
+              " values for ", weight.size(0), " outputs");
+  return bias->to(at::kFloat).contiguous();
+}
+
+}  // namespace
+
 bool bf16_rows_available() { return CBGEN_BF16_DOT != 0 || CBGEN_BF16_AVX2 != 0; }
 
 // x: bfloat16 [m, k] with m <= 4; weight: bfloat16 [n, k]; bias: [n] or none.
@@ -144,20 +164,9 @@ bool bf16_rows_available() { return CBGEN_BF16_DOT != 0 || CBGEN_BF16_AVX2 != 0;
 // one rounding to bfloat16, as oneDNN does.
 at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [m, k]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous(),
-              "weight: contiguous bfloat16 [n, k]");
+  const at::Tensor bias_f = checked_bias("bf16_rows_matmul", x, weight, bias);
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.size(1) == k, "bf16_rows_matmul: x has ", k, " columns, weight ",
-              weight.size(1));
   TORCH_CHECK(m >= 1 && m <= kMaxRows, "bf16_rows_matmul takes 1 to ", kMaxRows, " rows, not ", m);
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bf16_rows_matmul: bias has ", bias->numel(),
-                " values for ", n, " outputs");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto xc = x.contiguous();
   auto out = at::empty({m, n}, x.options());
@@ -330,19 +339,9 @@ at::Tensor bf16_avx2_matmul(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(CBGEN_BF16_AVX2, "bf16_avx2_matmul: built without AVX2 and FMA, or with "
               "AVX512-BF16 (oneDNN packs bfloat16 there)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [m, k]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous(),
-              "weight: contiguous bfloat16 [n, k]");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.size(1) == k, "bf16_avx2_matmul: x has ", k, " columns, weight ",
-              weight.size(1));
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bf16_avx2_matmul: bias has ", bias->numel(),
-                " values for ", n, " outputs");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = checked_bias("bf16_avx2_matmul", x, weight, bias);
+  const int64_t m = x.size(0), n = weight.size(0);
+  [[maybe_unused]] const int64_t k = x.size(1);
   auto out = at::empty({m, n}, x.options());
 #if CBGEN_BF16_AVX2
   if (m > 0 && n > 0) {
