@@ -162,8 +162,9 @@ class PackedMap(LinearMap):
 # Below this many rows, bf16 maps without oneDNN packing run cbgen's bf16_avx2_matmul;
 # from here on widened_linear, whose float32 GEMM (MKL's) is the faster one. Layer maps of
 # SmolLM2 and the 1B shape on an AMD EPYC (Zen 3, 2 threads), GMAC/s, lanes against
-# widened: 8 rows 14-20 against 3-12, 64 rows 51-70 against 36-47, 96 rows 56-67
-# against 48-50, 128 rows 50-55 against 51-52, 256 rows 47-54 against 54-66.
+# widened: 8 rows 20-24 against 8-9, 16 rows 42-50 against 13-16, 64 rows 64-71 against
+# 35-37, 96 rows 64-67 against 40-43; 128 rows 50-55 against 51-52 and 256 rows 47-54
+# against 54-66 (those two with the kernel's first, 2-row tiles).
 LANES_MAX_ROWS = 128
 
 # Weight bytes widened to float32 at a time by widened_linear (cache-sized chunks).

@@ -186,18 +186,17 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
 // bfloat16 weights times 5 or more bfloat16 rows on AVX2 with FMA, where oneDNN packs no
 // bfloat16 (AMD Zen 2 and 3, Intel client cores). Widening chunks of weights to float32
 // for torch's float32 GEMM (what served here before) wrote and re-read every weight as
-// four bytes each step, and ran at ~35 GMAC/s on 2 Zen 3 cores; this runs the float32
-// FMAs at ~75% of the core's peak (one thread: ~37 of 49 GMAC/s) and reads each weight
-// as the two bytes it is.
+// four bytes each step: at 64 rows ~35 GMAC/s on 2 Zen 3 cores, where this runs 64-71
+// (one thread: 32-37 of the core's 49) and reads each weight as the two bytes it is.
 //
 // The rows go in the vector lanes: the activations are widened once a call into a panel
 // [row chunk of 32][k][32] float32, and each weight, widened by a shift, is broadcast
 // against four vectors of 8 rows. A register tile is 2 weight rows x 32 activation rows
 // (8 float32 sums, 4 activation vectors, a broadcast: 14 of AVX2's 16 registers; fewer
-// rows take more weight rows, 6 against 8 rows), so no
-// weight is ever transposed or copied. Each sum runs along k in order, one FMA a
-// column, through every chunk of columns (the tile's sums are kept between chunks), so a
-// row's outputs do not depend on the rows beside it, nor on the thread count.
+// rows take more weight rows, up to 6 against 8 rows), so no weight is ever transposed
+// or copied. Each sum runs along k in order, one FMA a column, through every chunk of
+// columns (the tile's sums are kept between chunks), so a row's outputs do not depend on
+// the rows beside it, nor on the thread count.
 #if CBGEN_BF16_AVX2
 namespace {
 
