@@ -3,7 +3,7 @@
 ``python bench/linear_kernels.py --rows 1,64,256 --threads 2 [--model shape:llama3.2-1b]``
 
 For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
-cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 4 rows), plain bfloat16 weights
+cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 8 rows), plain bfloat16 weights
 widened to float32 a chunk at a time for torch's float32 GEMM (``bf16-widened``, what
 ``bf16-packed`` runs from ``LANES_MAX_ROWS`` rows on where oneDNN packs no bfloat16),
 weight-only int8 (with
@@ -58,10 +58,10 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
         dtype = torch.float32 if kind == "fp32" else torch.bfloat16
         w = weight.to(dtype)
         return (lambda x: F.linear(x, w)), w.numel() * w.element_size(), dtype
-    if kind == "bf16-rows":  # cbgen's AVX512-BF16 or AVX2 kernel, up to 4 rows, plain weights
+    if kind == "bf16-rows":  # cbgen's AVX512-BF16 or AVX2 kernel, up to 8 rows, plain weights
         w = weight.to(torch.bfloat16).contiguous()
         native = decode_kernel()
-        assert native is not None and rows <= 4, "bf16-rows: native kernels, at most 4 rows"
+        assert native is not None and rows <= 8, "bf16-rows: native kernels, at most 8 rows"
         return (lambda x: native.bf16_rows_matmul(x, w)), w.numel() * 2, torch.bfloat16
     if kind == "bf16-widened":
         w = weight.to(torch.bfloat16).contiguous()
@@ -128,8 +128,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         for kind in args.kinds.split(","):
-            if kind == "bf16-rows" and rows > 4:
-                continue  # the row kernel takes 1 to 4 rows
+            if kind == "bf16-rows" and rows > 8:
+                continue  # the row kernel takes 1 to 8 rows
             r = measure(kind, config, rows, args.repeats)
             print(
                 f"| {kind} | {rows} | {r['ms']:.1f} | {r['mb']:.0f} | {r['gbs']:.1f} | "

@@ -261,7 +261,7 @@ needs_row_kernel = pytest.mark.skipif(
 @needs_row_kernel
 @settings(max_examples=20, deadline=None)
 @given(
-    rows=st.integers(1, 4),
+    rows=st.integers(1, 8),
     out_features=st.integers(1, 40),
     in_features=st.integers(1, 200),
     bias=st.booleans(),
@@ -273,6 +273,28 @@ def test_bf16_row_kernel_is_the_product_to_one_rounding(
     """Any shape, tails included: the exact product of the bfloat16 numbers (and the
     bias, added before rounding), summed in float32 and rounded once to bfloat16."""
     _assert_bf16_product("bf16_rows_matmul", rows, out_features, in_features, bias, seed)
+
+
+@needs_row_kernel
+def test_bf16_row_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch():
+    """Rows go through the kernel in pairs over each weight row: a row's sums must not
+    depend on the rows beside it, at any batch size and any column count (tails of the
+    32- and 16-column steps included)."""
+    kernel = decode_kernel()
+    generator = torch.Generator().manual_seed(1)
+    for in_features in (7, 16, 48, 75, 576):
+        weight = torch.randn(37, in_features, generator=generator).to(torch.bfloat16)
+        bias = torch.randn(37, generator=generator).to(torch.bfloat16)
+        x = torch.randn(8, in_features, generator=generator).to(torch.bfloat16)
+        for rows in range(1, 9):
+            batched = kernel.bf16_rows_matmul(x[:rows], weight, bias)
+            for row in range(rows):
+                alone = kernel.bf16_rows_matmul(x[row : row + 1].contiguous(), weight, bias)
+                assert torch.equal(alone[0].view(torch.int16), batched[row].view(torch.int16))
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernel.bf16_rows_matmul(
+            torch.zeros(9, 16, dtype=torch.bfloat16), weight[:, :16].contiguous(), None
+        )
 
 
 def _assert_bf16_product(
@@ -370,7 +392,7 @@ def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypat
 def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch, row_copy):
     """An AVX2-only CPU (oneDNN packs no bfloat16 there; forced here on any CPU) still
     serves bfloat16 maps, fused as elsewhere, from the one plain copy whatever the
-    row-copy setting: 1-4 rows on the row kernel, then up to ``LANES_MAX_ROWS`` on
+    row-copy setting: 1-8 rows on the row kernel, then up to ``LANES_MAX_ROWS`` on
     ``bf16_avx2_matmul`` where it is built, the rest widened to float32
     (``widened_linear``), bit for bit; each is the float32 product to one bfloat16
     rounding."""
@@ -383,11 +405,12 @@ def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch,
     assert len(packed) == 2 and linear_map.packed is None
     lanes = decode_kernel().bf16_avx2_available()
     assert (linear_map.lanes_kernel is not None) == lanes
+    assert linear_map.row_kernel_rows == prepack.PLAIN_ROW_KERNEL_ROWS == 8
     with torch.inference_mode():
-        for rows in (1, 4, 5, 64, prepack.LANES_MAX_ROWS - 1, prepack.LANES_MAX_ROWS):
+        for rows in (1, 4, 5, 8, 9, 64, prepack.LANES_MAX_ROWS - 1, prepack.LANES_MAX_ROWS):
             x = torch.randn(rows, 96).to(torch.bfloat16)
             got = model[0](x)
-            if rows <= prepack.ROW_KERNEL_ROWS:
+            if rows <= prepack.PLAIN_ROW_KERNEL_ROWS:
                 want = decode_kernel().bf16_rows_matmul(x, linear_map.weight, model[0].bias)
             else:
                 if lanes and rows < prepack.LANES_MAX_ROWS:

@@ -113,8 +113,8 @@ class PackedMap(LinearMap):
 
     Where oneDNN cannot pack the dtype (bfloat16 on an AVX2-only CPU: ``onednn_packs``)
     the map holds the plain weight alone (``packed`` is None): the row kernel's AVX2
-    build for a few rows, ``bf16_avx2_matmul`` (rows in the vector lanes) up to
-    ``LANES_MAX_ROWS``, ``widened_linear`` for more.
+    build for 1 to ``PLAIN_ROW_KERNEL_ROWS`` rows, ``bf16_avx2_matmul`` (rows in the
+    vector lanes) up to ``LANES_MAX_ROWS``, ``widened_linear`` for more.
     """
 
     def __init__(
@@ -137,9 +137,10 @@ class PackedMap(LinearMap):
         )
         keep = plain or self.rows_kernel is not None
         self.weight = weight.detach().contiguous() if keep else None
+        self.row_kernel_rows = PLAIN_ROW_KERNEL_ROWS if plain else ROW_KERNEL_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        few = x.dim() == 2 and 0 < x.shape[0] <= ROW_KERNEL_ROWS
+        few = x.dim() == 2 and 0 < x.shape[0] <= self.row_kernel_rows
         if self.rows_kernel is not None and few:
             out = self.rows_kernel.bf16_rows_matmul(x, self.weight, self.bias)
         elif self.packed is None:
@@ -193,8 +194,14 @@ def widened_linear(
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-# The most rows cbgen's bf16 row kernel takes (a decode step of up to 4 sequences).
+# The most rows cbgen's bf16 row kernel serves beside oneDNN's packed bfloat16 (a decode
+# step of up to 4 sequences); the kernel itself takes up to 8.
 ROW_KERNEL_ROWS = 4
+# ... and where oneDNN packs no bfloat16 (AVX2-only CPUs), against bf16_avx2_matmul: 30
+# layers of SmolLM2's maps on an AMD EPYC (Zen 3, 2 threads) took 20.2 ms at 5 rows and
+# 28.4 at 8 on the row kernel, 52.8-54.2 on bf16_avx2_matmul (whose rows-in-lanes tiles
+# do one FMA a broadcast with a single vector of rows).
+PLAIN_ROW_KERNEL_ROWS = 8
 # "1"/"0": keep (or not) the plain bf16 weights for the row kernel, whatever their size.
 ROW_COPY_ENV = "CBGEN_BF16_ROW_COPY"
 # By default the copy is kept while the plain weights are at most this share of RAM.

@@ -10,10 +10,11 @@
 // of the float32 sums (and `vdpbf16ps` flushes denormal inputs to zero, as oneDNN's
 // bf16 kernels do).
 //
-// CPUs without AVX512-BF16 but with AVX2 and FMA widen each weight to float32 (a shift)
-// and use float32 FMAs: where oneDNN cannot pack bfloat16 at all (AVX2-only CPUs) this
-// is what serves a few rows, at about twice torch's bfloat16 F.linear there (SmolLM2's
-// maps at one row: 26.4 -> 13.3 ms on an AMD EPYC, 2 threads).
+// CPUs without AVX512-BF16 but with AVX2 and FMA widen each weight to float32 (an
+// unpack under zeros) and use float32 FMAs: where oneDNN cannot pack bfloat16 at all
+// (AVX2-only CPUs) this is what serves 1 to 8 rows, at about twice torch's bfloat16
+// F.linear there (SmolLM2's maps at one row: 26.4 -> 13.3 ms on an AMD EPYC, 2 threads)
+// and twice bf16_avx2_matmul's speed at 5 to 8 rows (below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -38,7 +39,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;  // activation rows one call takes
+constexpr int64_t kMaxRows = 8;  // activation rows one call takes
 constexpr int64_t kTask = 64;    // weight rows a thread takes at a time
 
 #if CBGEN_BF16_DOT
@@ -79,27 +80,79 @@ inline __m256 load8(const uint16_t* w) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), 16));
 }
 
-// AVX2 with FMA, no bfloat16 instructions (AMD Zen 2 and 3, Intel client cores): each
-// weight widened to float32 by a zero-extend and a shift, times the activations (widened
-// once a call, xf: float32 [M, k]) in float32 FMAs, two sums per row. Products of two
-// bfloat16 are exact in float32, as with `vdpbf16ps`.
+// 16 bfloat16 weights as two float32 vectors by interleaving zeros below them, which
+// AVX2 does within each 128-bit half: columns (0-3, 8-11), then (4-7, 12-15). One load
+// and two unpacks instead of two loads, two zero-extends and two shifts.
+inline __m256 low_f32(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+}
+inline __m256 high_f32(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+}
+
+// The activations [m, k] as float32 with each whole block of 16 columns in the order the
+// weights unpack to (above); the last k % 16 columns in order.
+void widen_unpacked_order(const uint16_t* x, int64_t m, int64_t k, float* out) {
+  static constexpr int kOrder[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* row = x + r * k;
+    float* dst = out + r * k;
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16)
+      for (int j = 0; j < 16; ++j) dst[i + j] = c10::detail::f32_from_bits(row[i + kOrder[j]]);
+    for (; i < k; ++i) dst[i] = c10::detail::f32_from_bits(row[i]);
+  }
+}
+
+// AVX2 with FMA, no bfloat16 instructions (AMD Zen 2 and 3, Intel client cores): the
+// weights widened to float32 by unpacking, times the activations (xf: float32 [M, k] in
+// widen_unpacked_order) in float32 FMAs, four sums per row so the FMAs' latency does not
+// bound the loop. Products of two bfloat16 are exact in float32, as with `vdpbf16ps`.
+// M is 1 or 2 (16 registers); more rows go two at a time over the same weight row, which
+// is then in L1, so each row's sums are the same whatever rows come with it.
 template <int M>
-inline void dot_row(const uint16_t* w, int64_t k, const float* xf, float* out) {
-  __m256 acc[2][M];
-  for (int u = 0; u < 2; ++u)
+inline void dot_row_pair(const uint16_t* w, int64_t k, const float* xf, float* out) {
+  static_assert(M == 1 || M == 2, "one or two activation rows");
+  __m256 acc[4][M];
+  for (int u = 0; u < 4; ++u)
     for (int j = 0; j < M; ++j) acc[u][j] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    const __m256 w0 = load8(w + i), w1 = load8(w + i + 8);
+  for (; i + 32 <= k; i += 32) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i + 16));
+    const __m256 w0 = low_f32(v0), w1 = high_f32(v0), w2 = low_f32(v1), w3 = high_f32(v1);
+    for (int j = 0; j < M; ++j) {
+      const float* xj = xf + j * k + i;
+      acc[0][j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xj), acc[0][j]);
+      acc[1][j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xj + 8), acc[1][j]);
+      acc[2][j] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xj + 16), acc[2][j]);
+      acc[3][j] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xj + 24), acc[3][j]);
+    }
+  }
+  if (i + 16 <= k) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
+    const __m256 w0 = low_f32(v0), w1 = high_f32(v0);
     for (int j = 0; j < M; ++j) {
       acc[0][j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xf + j * k + i), acc[0][j]);
       acc[1][j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xf + j * k + i + 8), acc[1][j]);
     }
+    i += 16;
   }
   for (int j = 0; j < M; ++j) {
-    float sum = hsum256(_mm256_add_ps(acc[0][j], acc[1][j]));
+    float sum = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0][j], acc[2][j]),
+                                      _mm256_add_ps(acc[1][j], acc[3][j])));
     for (int64_t t = i; t < k; ++t) sum += c10::detail::f32_from_bits(w[t]) * xf[j * k + t];
     out[j] = sum;
+  }
+}
+
+template <int M>
+inline void dot_row(const uint16_t* w, int64_t k, const float* xf, float* out) {
+  if constexpr (M <= 2) {
+    dot_row_pair<M>(w, k, xf, out);
+  } else {
+    dot_row_pair<2>(w, k, xf, out);
+    dot_row<M - 2>(w, k, xf + 2 * k, out + 2);
   }
 }
 #else
@@ -120,7 +173,7 @@ void rows_matmul(const uint16_t* w, int64_t n, int64_t k, const uint16_t* x, con
 #if CBGEN_BF16_AVX2
   // The activations widened once, not once per weight row.
   std::vector<float> widened(M * k);
-  for (int64_t i = 0; i < M * k; ++i) widened[i] = c10::detail::f32_from_bits(x[i]);
+  widen_unpacked_order(x, M, k, widened.data());
   const float* xs = widened.data();
 #else
   const uint16_t* xs = x;
@@ -159,7 +212,7 @@ at::Tensor checked_bias(const char* name, const at::Tensor& x, const at::Tensor&
 
 bool bf16_rows_available() { return CBGEN_BF16_DOT != 0 || CBGEN_BF16_AVX2 != 0; }
 
-// x: bfloat16 [m, k] with m <= 4; weight: bfloat16 [n, k]; bias: [n] or none.
+// x: bfloat16 [m, k] with m <= 8; weight: bfloat16 [n, k]; bias: [n] or none.
 // Returns bfloat16 [m, n] = x @ weight.T + bias, the bias added in float32 before the
 // one rounding to bfloat16, as oneDNN does.
 at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
@@ -177,7 +230,11 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
     case 1: rows_matmul<1>(w, n, k, xp, bp, y); break;
     case 2: rows_matmul<2>(w, n, k, xp, bp, y); break;
     case 3: rows_matmul<3>(w, n, k, xp, bp, y); break;
-    default: rows_matmul<4>(w, n, k, xp, bp, y); break;
+    case 4: rows_matmul<4>(w, n, k, xp, bp, y); break;
+    case 5: rows_matmul<5>(w, n, k, xp, bp, y); break;
+    case 6: rows_matmul<6>(w, n, k, xp, bp, y); break;
+    case 7: rows_matmul<7>(w, n, k, xp, bp, y); break;
+    default: rows_matmul<8>(w, n, k, xp, bp, y); break;
   }
   return out;
 }
@@ -272,11 +329,13 @@ void lanes_rows(const uint16_t* w, int64_t k, int64_t rows, const float* panel,
 void lanes_matmul(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                   const float* bias, at::BFloat16* y) {
   const int64_t chunks = (m + kLaneRows - 1) / kLaneRows;
-  // [chunk][k][kLaneRows]; the rows past m in the last chunk are zeros.
-  std::vector<float> panel(chunks * k * kLaneRows);
+  // [chunk][k][kLaneRows]; the rows past m in the last chunk are zeros. Every element
+  // is written below, so the buffer starts uninitialized.
+  const at::Tensor panel_buffer = at::empty({chunks * k * kLaneRows}, at::kFloat);
+  float* const panel = panel_buffer.data_ptr<float>();
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = begin; chunk < end; ++chunk) {
-      float* base = panel.data() + chunk * k * kLaneRows;
+      float* base = panel + chunk * k * kLaneRows;
       for (int64_t r = 0; r < kLaneRows; ++r) {
         const int64_t row = chunk * kLaneRows + r;
         if (row < m) {
@@ -300,7 +359,7 @@ void lanes_matmul(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, in
           const int64_t columns = std::min(kColumns, k - c0);
           for (int64_t h = 0; h < held; ++h) {
             const int64_t lanes = std::min(kLaneRows, count - h * kLaneRows);
-            const float* p = panel.data() + ((m0 / kLaneRows + h) * k + c0) * kLaneRows;
+            const float* p = panel + ((m0 / kLaneRows + h) * k + c0) * kLaneRows;
             float* t = tiles.data() + h * kBlockRows * kLaneRows;
             const uint16_t* wc = w + n0 * k + c0;
             switch ((lanes + 7) / 8) {

@@ -84,7 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_available", &bf16_rows_available,
         "whether bf16_rows_matmul was compiled with AVX512-BF16");
   m.def("bf16_rows_matmul", &bf16_rows_matmul,
-        "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), m <= 4 (CPU)", py::arg("x"),
+        "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), m <= 8 (CPU)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none());
   m.def("bf16_avx2_available", &bf16_avx2_available,
         "whether bf16_avx2_matmul was compiled (AVX2 and FMA without AVX512-BF16)");
