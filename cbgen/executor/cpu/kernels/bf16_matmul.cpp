@@ -110,7 +110,14 @@ void widen_unpacked_order(const uint16_t* x, int64_t m, int64_t k, float* out) {
 // bound the loop. Products of two bfloat16 are exact in float32, as with `vdpbf16ps`.
 // M is 1 or 2 (16 registers); more rows go two at a time over the same weight row, which
 // is then in L1, so each row's sums are the same whatever rows come with it.
-template <int M>
+//
+// The first pass over a weight row also prefetches the weights kPrefetchBytes ahead, one
+// cache line an iteration: streaming SmolLM2's maps and LM head at one row on 2 Zen 3
+// cores that took 9.2-9.4 ms a step to 8.4-8.7 in a standalone harness (512 bytes ahead:
+// 8.8-9.0, 1,536: 9.3-9.6, the hardware prefetcher alone: 9.2-9.4).
+constexpr int kPrefetchBytes = 1024;
+
+template <int M, bool Prefetch>
 inline void dot_row_pair(const uint16_t* w, int64_t k, const float* xf, float* out) {
   static_assert(M == 1 || M == 2, "one or two activation rows");
   __m256 acc[4][M];
@@ -118,6 +125,9 @@ inline void dot_row_pair(const uint16_t* w, int64_t k, const float* xf, float* o
     for (int j = 0; j < M; ++j) acc[u][j] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
+    // A prefetch past the weights' end is harmless: prefetches never fault.
+    if constexpr (Prefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes, _MM_HINT_T0);
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i + 16));
     const __m256 w0 = low_f32(v0), w1 = high_f32(v0), w2 = low_f32(v1), w3 = high_f32(v1);
@@ -149,10 +159,13 @@ inline void dot_row_pair(const uint16_t* w, int64_t k, const float* xf, float* o
 template <int M>
 inline void dot_row(const uint16_t* w, int64_t k, const float* xf, float* out) {
   if constexpr (M <= 2) {
-    dot_row_pair<M>(w, k, xf, out);
+    dot_row_pair<M, true>(w, k, xf, out);
   } else {
-    dot_row_pair<2>(w, k, xf, out);
-    dot_row<M - 2>(w, k, xf + 2 * k, out + 2);
+    dot_row_pair<2, true>(w, k, xf, out);
+    for (int j = 2; j < M; j += 2) {
+      if (j + 1 < M) dot_row_pair<2, false>(w, k, xf + j * k, out + j);
+      else dot_row_pair<1, false>(w, k, xf + j * k, out + j);
+    }
   }
 }
 #else
