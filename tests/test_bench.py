@@ -331,3 +331,32 @@ def test_the_roofline_of_a_quantized_run_times_the_dense_gemms(tiny_chat_model_d
     assert roofline["peak_flops"] > 0 and roofline["shapes"]
     with pytest.raises(ValueError, match="no"):
         measure([])
+
+
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_the_bf16_roofline_times_a_onednn_gemm_giving_the_same_product(monkeypatch, onednn_bf16):
+    """bfloat16 weights get a oneDNN GEMM in the roofline beside torch's ``F.linear``:
+    oneDNN's packed bfloat16 where it packs it, else float32 on the widened weights
+    (where torch's bfloat16 GEMM is several times slower, AVX2-only CPUs); each is the
+    same product."""
+    import torch
+
+    from cbgen.bench import roofline
+    from cbgen.executor.cpu.prepack import onednn_packs, prepack_supported
+
+    if not prepack_supported():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    if onednn_bf16 and not onednn_packs(torch.bfloat16):
+        pytest.skip("oneDNN packs no bfloat16 on this CPU")
+    monkeypatch.setattr(
+        roofline, "onednn_packs", lambda dtype: onednn_bf16 or dtype is not torch.bfloat16
+    )
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=generator).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    kernels = roofline._linear_kernels(w, 5)
+    onednn = "oneDNN prepacked" if onednn_bf16 else "oneDNN prepacked, float32 (widened)"
+    assert set(kernels) == {"F.linear", onednn}
+    exact = x.float() @ w.float().t()
+    for kernel in kernels.values():
+        torch.testing.assert_close(kernel(x).float(), exact, rtol=2**-7, atol=1e-5)

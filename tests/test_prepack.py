@@ -277,9 +277,9 @@ def test_bf16_row_kernel_is_the_product_to_one_rounding(
 
 @needs_row_kernel
 def test_bf16_row_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch():
-    """Rows go through the kernel in pairs over each weight row: a row's sums must not
-    depend on the rows beside it, at any batch size and any column count (tails of the
-    32- and 16-column steps included)."""
+    """A row's sums must not depend on the rows beside it (the AVX2 build takes the rows
+    in pairs over each weight row), at any batch size and any column count (tails of
+    the 32- and 16-column steps included)."""
     kernel = decode_kernel()
     generator = torch.Generator().manual_seed(1)
     for in_features in (7, 16, 48, 75, 576):

@@ -4,7 +4,8 @@ Decoding one token costs about ``2 x (weights of every linear map, LM head inclu
 FLOPs (attention over the cache and the element-wise work are left out, which flatters
 nobody). ``measure`` times ``F.linear`` on ``[m, in] x [out, in]^T`` for each distinct
 weight shape, in the run's dtype and thread count, and also oneDNN's prepacked linear
-where it exists (float32 on CPU: what cbgen itself runs, ``cbgen.executor.cpu.prepack``), keeping
+where it exists (float32 and bfloat16 on CPU: what cbgen itself runs,
+``cbgen.executor.cpu.prepack``; bfloat16 without oneDNN's: float32 on widened weights), keeping
 the faster of the two per shape, so the roofline is the best matmul this machine offers
 rather than the one cbgen happens to use. It reports:
 
@@ -25,7 +26,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..executor.cpu.prepack import pack_weight, packed_linear, prepack_supported
+from ..executor.cpu.prepack import (
+    PACKED_DTYPES,
+    onednn_packs,
+    pack_weight,
+    packed_linear,
+    prepack_supported,
+)
 
 
 def linear_shapes(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -47,13 +54,23 @@ def flops_per_token(shapes: list[dict[str, Any]]) -> int:
 
 
 def _linear_kernels(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """The ways to run ``x @ w.T`` worth timing for this weight."""
+    """The ways to run ``x @ w.T`` worth timing for this weight.
+
+    bfloat16 where oneDNN packs none (AVX2-only CPUs) also times the float32 GEMM on the
+    weights widened to float32 (a bfloat16 product is exact in float32): torch's own
+    bfloat16 GEMM there ran SmolLM2's maps at 64 rows about 6x slower than that, which
+    made the roofline a floor and cbgen's share of it over 100%."""
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "F.linear": lambda x: F.linear(x, w)
     }
-    if w.dtype == torch.float32 and w.device.type == "cpu" and prepack_supported():
+    if w.device.type != "cpu" or not prepack_supported() or w.dtype not in PACKED_DTYPES:
+        return kernels
+    if onednn_packs(w.dtype):
         packed = pack_weight(w, m)
         kernels["oneDNN prepacked"] = lambda x: packed_linear(x, packed)
+    else:
+        widened = pack_weight(w.float(), m)
+        kernels["oneDNN prepacked, float32 (widened)"] = lambda x: packed_linear(x.float(), widened)
     return kernels
 
 

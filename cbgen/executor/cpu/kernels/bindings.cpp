@@ -82,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 [m, k] x int8 [n, k] codes x bfloat16 [n] scales, m <= 4 (CPU)", py::arg("x"),
         py::arg("codes"), py::arg("scales"));
   m.def("bf16_rows_available", &bf16_rows_available,
-        "whether bf16_rows_matmul was compiled with AVX512-BF16");
+        "whether bf16_rows_matmul was compiled with AVX512-BF16 or AVX2");
   m.def("bf16_rows_matmul", &bf16_rows_matmul,
         "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), m <= 8 (CPU)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none());
