@@ -201,10 +201,6 @@ void rows_matmul(const uint16_t* w, int64_t n, int64_t k, const uint16_t* x, con
   });
 }
 
-}  // namespace
-
-namespace {
-
 // The checks both entry points make: bfloat16 x [m, k] against a contiguous bfloat16
 // weight [n, k]; returns the bias as float32 (undefined when there is none).
 at::Tensor checked_bias(const char* name, const at::Tensor& x, const at::Tensor& weight,
@@ -253,9 +249,9 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
 }
 
 
-// bfloat16 weights times 5 or more bfloat16 rows on AVX2 with FMA, where oneDNN packs no
-// bfloat16 (AMD Zen 2 and 3, Intel client cores). Widening chunks of weights to float32
-// for torch's float32 GEMM (what served here before) wrote and re-read every weight as
+// bfloat16 weights times 9 or more bfloat16 rows (PackedMap's routing; it takes any
+// number) on AVX2 with FMA, where oneDNN packs no bfloat16 (AMD Zen 2 and 3, Intel
+// client cores). Widening chunks of weights to float32 for torch's float32 GEMM (what served here before) wrote and re-read every weight as
 // four bytes each step: at 64 rows ~35 GMAC/s on 2 Zen 3 cores, where this runs 64-71
 // (one thread: 32-37 of the core's 49) and reads each weight as the two bytes it is.
 //
