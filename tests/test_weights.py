@@ -254,3 +254,64 @@ def test_the_online_engine_pauses_trains_and_takes_new_weights():
     expected = [reference_greedy(other, p, MAX_NEW) for p in prompts]
     assert [r.token_ids for r in results] == expected
     assert again.token_ids == expected[0]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_weight_versions_notice_every_kind_of_change(native):
+    """``WeightVersions.changed``, in the native kernels' pass and in Python's: an in-place
+    change of a parameter or a buffer, a parameter or buffer replaced or removed in its
+    module; nothing else (reading the weights, running the model) counts as a change."""
+    from cbgen.core.weights import WeightVersions
+    from cbgen.executor.cpu.kernels import decode_kernel
+
+    if native and decode_kernel() is None:
+        pytest.skip("native kernels unavailable")
+    model = make_tiny_model("llama")
+    layer = model.model.layers[0]
+    layer.register_buffer("extra", torch.zeros(3))
+
+    def watch():
+        versions = WeightVersions(model)
+        if native:
+            assert versions._watch is not None and len(versions._watch) == len(versions._entries)
+        else:
+            versions._watch = None
+        return versions
+
+    versions = watch()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert not versions.changed()
+    with torch.no_grad():
+        layer.mlp.up_proj.weight.mul_(2)
+    assert versions.changed()
+    versions.mark()
+    assert not versions.changed()
+    layer.extra.add_(1)
+    assert versions.changed()
+    versions = watch()
+    layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight.detach())
+    assert versions.changed()
+    versions = watch()
+    layer.extra = torch.ones(3)
+    assert versions.changed()
+    versions = watch()
+    del layer._buffers["extra"]
+    assert versions.changed()
+    versions = watch()
+    assert not versions.changed()
+
+
+def test_weight_versions_of_a_model_off_the_cpu_do_not_build_the_native_kernels(monkeypatch):
+    """The native pass is for CPU models only: a model with a tensor elsewhere (the meta
+    device stands in for a GPU here) keeps Python's pass and never asks for the kernels."""
+    from cbgen.core import weights
+
+    def unexpected():
+        raise AssertionError("decode_kernel() was called")
+
+    monkeypatch.setattr(weights, "decode_kernel", unexpected)
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    versions = weights.WeightVersions(model)
+    assert versions._watch is None and not versions.changed()

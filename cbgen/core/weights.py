@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..executor.cpu.kernels import decode_kernel
 from ..executor.cpu.quantization import QuantizedLinear, quantize_int8
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -26,7 +27,12 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 class WeightVersions:
     """A fingerprint of the model's parameters and buffers, cheap enough to check every
     step: each tensor's version, and that its module still holds that very tensor, read
-    from the modules' own tables in one flat pass (no module walk per check)."""
+    from the modules' own tables in one flat pass (no module walk per check).
+
+    For a model on the CPU the pass runs in the native kernels (``WeightWatch``): there
+    the step's weights have just streamed through the caches, and Python's pass, one
+    chain of cache misses per tensor, took ~0.45 ms a step on SmolLM2 in 4-bit (486
+    tensors, a 13 ms token) where the native one overlaps them: 83-93 us."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -40,12 +46,28 @@ class WeightVersions:
                 entries += [(table, name, t) for name, t in table.items() if t is not None]
         self._entries = entries
         self._versions = [t._version for _, _, t in entries]
+        self._watch = _native_watch(entries)
 
     def changed(self) -> bool:
+        if self._watch is not None:
+            return bool(self._watch.changed())
         for (table, name, tensor), version in zip(self._entries, self._versions, strict=True):
             if table.get(name) is not tensor or tensor._version != version:
                 return True
         return False
+
+
+def _native_watch(entries: list[tuple[dict[str, Any], str, torch.Tensor]]) -> Any:
+    """The native kernels' ``WeightWatch`` over ``entries``, or None: for a model with a
+    tensor off the CPU (whose engine may never need the CPU kernels, so this must not
+    build them), or where the kernels are off or failed to build."""
+    if not entries or any(t.device.type != "cpu" for _, _, t in entries):
+        return None
+    native = decode_kernel()
+    if native is None or not hasattr(native, "WeightWatch"):
+        return None
+    tables, names, tensors = (list(column) for column in zip(*entries, strict=True))
+    return native.WeightWatch(tables, names, tensors)
 
 
 def load_named_weights(model: nn.Module, weights: NamedTensors) -> int:

@@ -42,6 +42,7 @@ SOURCES = (
     "int8_matmul.cpp",
     "bf16_matmul.cpp",
     "quantize.cpp",
+    "weight_watch.cpp",
     "bindings.cpp",
 )
 # Included by the sources; part of the build key, so an edit rebuilds.
