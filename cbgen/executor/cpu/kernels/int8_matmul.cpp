@@ -156,10 +156,10 @@ inline void dot_rows(const int8_t* w, int64_t k, int64_t groups, const int16_t* 
 // most 32 products of 127 * 32767 a lane per group); a group's sums become float32 once.
 //
 // One output row at a time (N = 1: a call's codes read once from memory) also prefetches
-// them kPrefetchBytes ahead. Both took SmolLM2's int8 LM head at one row from ~18-20 to
-// ~22-26 GB/s and the 1B shape's from ~18-20 to ~22-23 on a Zen 3 EPYC (2 threads; a
-// plain read of the same bytes made 33-36 and 24-26): widening a 32-byte load took an
-// extract for its high half, and without the prefetch each row's first lines waited.
+// them kPrefetchBytes ahead. Both took SmolLM2's int8 LM head at one row from 18-21 to
+// 21-26 GB/s and the 1B shape's from 15-21 to 19-23 on a Zen 3 EPYC (2 threads; a plain
+// read of the same bytes made 29-36 and 21-26): widening a 32-byte load took an extract
+// for its high half, and without the prefetch each row's first lines waited.
 constexpr int64_t kPrefetchBytes = 1024;
 
 template <int N, int M, int C>
