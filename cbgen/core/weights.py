@@ -64,7 +64,7 @@ def _native_watch(entries: list[tuple[dict[str, Any], str, torch.Tensor]]) -> An
     if not entries or any(t.device.type != "cpu" for _, _, t in entries):
         return None
     native = decode_kernel()
-    if native is None or not hasattr(native, "WeightWatch"):
+    if native is None:
         return None
     tables, names, tensors = (list(column) for column in zip(*entries, strict=True))
     return native.WeightWatch(tables, names, tensors)
