@@ -251,9 +251,10 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
 
 // bfloat16 weights times 9 or more bfloat16 rows (PackedMap's routing; it takes any
 // number) on AVX2 with FMA, where oneDNN packs no bfloat16 (AMD Zen 2 and 3, Intel
-// client cores). Widening chunks of weights to float32 for torch's float32 GEMM (what served here before) wrote and re-read every weight as
-// four bytes each step: at 64 rows ~35 GMAC/s on 2 Zen 3 cores, where this runs 64-71
-// (one thread: 32-37 of the core's 49) and reads each weight as the two bytes it is.
+// client cores). Widening chunks of weights to float32 for torch's float32 GEMM (what
+// served here before) wrote and re-read every weight as four bytes each step: at 64 rows
+// ~35 GMAC/s on 2 Zen 3 cores, where this runs 64-71 (one thread: 32-37 of the core's
+// 49) and reads each weight as the two bytes it is.
 //
 // The rows go in the vector lanes: the activations are widened once a call into a panel
 // [row chunk of 32][k][32] float32, and each weight, widened by a shift, is broadcast
