@@ -162,6 +162,51 @@ def test_kernel_value_pass_register_blocks(dtype, heads, kv_heads, dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "window", "sinks"),
+    [(9, 3, None, False), (4, 1, None, True), (16, 2, 20, False), (6, 6, None, True)],
+)
+def test_kernel_gives_the_same_bits_however_the_heads_are_shared_out(
+    dtype, heads, kv_heads, window, sinks
+):
+    """The kernel splits its work by query head among the threads (one stream of
+    SmolLM2's 3 KV heads on two threads, a single KV head on several), so a KV head's
+    query heads may be split between threads: every thread count, and each sequence
+    alone, gives the same bits."""
+    torch.manual_seed(5)
+    block, lens, dim = 16, [3, 40, 129, 70], 64
+    blocks = sum(-(-n // block) for n in lens)
+    keys = torch.randn(kv_heads, blocks, block, dim).to(dtype)
+    values = torch.randn(kv_heads, blocks, block, dim).to(dtype)
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    sink = torch.randn(heads) if sinks else None
+    tables, start = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(list(range(start, start + count)) + [0] * (9 - count))
+        start += count
+    table, context = torch.tensor(tables), torch.tensor(lens)
+
+    def attend(rows: slice) -> torch.Tensor:
+        return kernel.paged_decode_attention(
+            q[rows], keys, values, table[rows], context[rows], dim**-0.5, window or 0, 0.0, sink
+        )
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = attend(slice(None))
+        for count in (2, 3, 5, 7):
+            torch.set_num_threads(count)
+            assert torch.equal(attend(slice(None)), want), count
+            for row in range(len(lens)):
+                assert torch.equal(attend(slice(row, row + 1)), want[row : row + 1]), (count, row)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dim", [32, 64, 128])
 def test_kernel_bfloat16_is_as_close_to_float32_as_the_float_path(dim):
     # Scores from bfloat16 products (exact in float32), probabilities and sums in

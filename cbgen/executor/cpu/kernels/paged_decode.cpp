@@ -550,14 +550,19 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   }
 #endif
 
-  // One work item is a (sequence, KV head) pair. Items cost their context length,
-  // which varies a lot within a batch, so each thread takes a contiguous share of
-  // the items with an equal share of the context (plus a constant per item), not
-  // an equal count: with two threads an even split by count left one idle for a
-  // tenth of the call on mixed lengths.
-  const int64_t num_items = num_seqs * num_kv_heads;
-  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  std::vector<int64_t> bounds(num_threads + 1, num_items);
+  // The work is split by query head: unit u is head u % num_heads of sequence
+  // u / num_heads, and each thread takes a contiguous share of the units with an equal
+  // share of their cost (context length plus a constant), not an equal count: with two
+  // threads an even split by count left one idle for a tenth of the call on mixed
+  // lengths. A thread runs the heads of its share that read one KV head as one call
+  // (GQA-aware: each K and V row is read once for all of them). Splitting by KV head
+  // alone left a single stream of SmolLM2 (3 KV heads) two heads on one thread and one
+  // on the other, and a model with one KV head on one thread. A head's arithmetic does
+  // not depend on the heads beside it in a call, so the output is the same bits however
+  // the heads are shared out.
+  const int64_t num_units = num_seqs * num_heads;
+  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_units));
+  std::vector<int64_t> bounds(num_threads + 1, num_units);
   bounds[0] = 0;
   {
     auto cost = [&](int64_t seq) {
@@ -566,42 +571,48 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
       return std::max<int64_t>(0, len - first) + 16;
     };
     int64_t total = 0;
-    for (int64_t seq = 0; seq < num_seqs; ++seq) total += cost(seq) * num_kv_heads;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) total += cost(seq) * num_heads;
     int64_t done = 0, next = 1;
-    for (int64_t item = 0; item < num_items && next < num_threads; ++item) {
-      done += cost(item / num_kv_heads);
-      while (next < num_threads && done * num_threads >= total * next) bounds[next++] = item + 1;
+    for (int64_t unit = 0; unit < num_units && next < num_threads; ++unit) {
+      done += cost(unit / num_heads);
+      while (next < num_threads && done * num_threads >= total * next) bounds[next++] = unit + 1;
     }
   }
   at::parallel_for(0, num_threads, 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> q_f(group * head_dim);
     std::vector<float> scores;
     std::vector<float> acc(group * value_dim + group);
-    for (int64_t item = bounds[first_share]; item < bounds[last_share]; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+    for (int64_t unit = bounds[first_share]; unit < bounds[last_share];) {
+      // The heads [head, head + count) of this share that read KV head `kv_head`.
+      const int64_t seq = unit / num_heads;
+      const int64_t head = unit % num_heads;
+      const int64_t kv_head = head / group;
+      const int64_t count =
+          std::min((kv_head + 1) * group, head + bounds[last_share] - unit) - head;
+      unit += count;
       const int64_t len = lens[seq];
       const int64_t first = first_visible(len, sliding_window);
-      scalar_t* dst = out_ptr + (seq * num_heads + kv_head * group) * value_dim;
+      scalar_t* dst = out_ptr + (seq * num_heads + head) * value_dim;
       if (len - first <= 0) {  // nothing to attend to: zeros, like an empty weighted sum
-        std::fill(dst, dst + group * value_dim, static_cast<scalar_t>(0.f));
+        std::fill(dst, dst + count * value_dim, static_cast<scalar_t>(0.f));
         continue;
       }
+      const float* head_sinks = sinks == nullptr ? nullptr : sinks + head;
 #if CBGEN_BF16_ATTEND
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (run_bf16 != nullptr) {
-          run_bf16(q_ptr + (seq * num_heads + kv_head * group) * head_dim, group,
+          run_bf16(q_ptr + (seq * num_heads + head) * head_dim, count,
                    k_ptr + kv_head * k_head_stride, v_ptr + kv_head * v_head_stride,
-                   tables + seq * table_width, first, len, block_size, fscale, fcap,
-                   sinks == nullptr ? nullptr : sinks + kv_head * group, scores, acc, dst);
+                   tables + seq * table_width, first, len, block_size, fscale, fcap, head_sinks,
+                   scores, acc, dst);
           continue;
         }
       }
 #endif
-      to_float(q_ptr + (seq * num_heads + kv_head * group) * head_dim, q_f.data(), group * head_dim);
-      run(q_f.data(), group, k_ptr + kv_head * k_head_stride, v_ptr + kv_head * v_head_stride,
+      to_float(q_ptr + (seq * num_heads + head) * head_dim, q_f.data(), count * head_dim);
+      run(q_f.data(), count, k_ptr + kv_head * k_head_stride, v_ptr + kv_head * v_head_stride,
           tables + seq * table_width, first, len, block_size, head_dim, value_dim, fscale, fcap,
-          sinks == nullptr ? nullptr : sinks + kv_head * group, scores, acc, dst);
+          head_sinks, scores, acc, dst);
     }
   });
 }
