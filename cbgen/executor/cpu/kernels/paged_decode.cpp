@@ -1,10 +1,10 @@
 // Paged decode attention for CPU: one query token per sequence, read straight
 // from the block tables.
 //
-// Each (sequence, KV head) pair is one work item (at::parallel_for over them):
-// the group of query heads sharing the KV head is scored together, so each K and
-// V row is read from memory once per layer for all of them (GQA-aware), with no
-// gathered copy and no padding. Softmax is exact two-pass float32: scores, then
+// The threads share out the (sequence, query head) pairs; the heads of a thread's
+// share that read one KV head are scored together, so each K and V row is read from
+// memory once per layer for all of them (GQA-aware), with no gathered copy and no
+// padding. Softmax is exact two-pass float32: scores, then
 // max/exp/sum, then the weighted sum of V divided by the sum, which matches the
 // torch path (CBGEN_NO_KERNELS=1) to float32 rounding.
 //
