@@ -161,6 +161,17 @@ def test_kernel_value_pass_register_blocks(dtype, heads, kv_heads, dim):
     check_kernel(kernel, dtype, heads, kv_heads, None, None, lens, dim=dim)
 
 
+def _blocks_in_a_row(lens: list[int], block: int, width: int) -> list[list[int]]:
+    """Block tables for sequences of ``lens`` tokens whose blocks follow one another
+    (sequence after sequence), each row padded to ``width`` with block 0."""
+    tables, start = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(list(range(start, start + count)) + [0] * (width - count))
+        start += count
+    return tables
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -181,12 +192,7 @@ def test_kernel_gives_the_same_bits_however_the_heads_are_shared_out(
     values = torch.randn(kv_heads, blocks, block, dim).to(dtype)
     q = torch.randn(len(lens), heads, dim).to(dtype)
     sink = torch.randn(heads) if sinks else None
-    tables, start = [], 0
-    for n in lens:
-        count = -(-n // block)
-        tables.append(list(range(start, start + count)) + [0] * (9 - count))
-        start += count
-    table, context = torch.tensor(tables), torch.tensor(lens)
+    table, context = torch.tensor(_blocks_in_a_row(lens, block, 9)), torch.tensor(lens)
 
     def attend(rows: slice) -> torch.Tensor:
         return kernel.paged_decode_attention(
@@ -197,11 +203,12 @@ def test_kernel_gives_the_same_bits_however_the_heads_are_shared_out(
     try:
         torch.set_num_threads(1)
         want = attend(slice(None))
-        for count in (2, 3, 5, 7):
-            torch.set_num_threads(count)
-            assert torch.equal(attend(slice(None)), want), count
+        for shared_by in (2, 3, 5, 7):
+            torch.set_num_threads(shared_by)
+            assert torch.equal(attend(slice(None)), want), shared_by
             for row in range(len(lens)):
-                assert torch.equal(attend(slice(row, row + 1)), want[row : row + 1]), (count, row)
+                alone = attend(slice(row, row + 1))
+                assert torch.equal(alone, want[row : row + 1]), (shared_by, row)
     finally:
         torch.set_num_threads(threads)
 
@@ -218,11 +225,7 @@ def test_kernel_bfloat16_is_as_close_to_float32_as_the_float_path(dim):
     keys = torch.randn(kv_heads, blocks, block, dim).to(torch.bfloat16)
     values = torch.randn(kv_heads, blocks, block, dim).to(torch.bfloat16)
     q = torch.randn(len(lens), heads, dim).to(torch.bfloat16)
-    tables, start = [], 0
-    for n in lens:
-        count = -(-n // block)
-        tables.append(list(range(start, start + count)) + [0] * (8 - count))
-        start += count
+    tables = _blocks_in_a_row(lens, block, 8)
     got = kernel.paged_decode_attention(
         q, keys, values, torch.tensor(tables), torch.tensor(lens), dim**-0.5, 0, 0.0, None
     )

@@ -4,9 +4,9 @@
 // The threads share out the (sequence, query head) pairs; the heads of a thread's
 // share that read one KV head are scored together, so each K and V row is read from
 // memory once per layer for all of them (GQA-aware), with no gathered copy and no
-// padding. Softmax is exact two-pass float32: scores, then
-// max/exp/sum, then the weighted sum of V divided by the sum, which matches the
-// torch path (CBGEN_NO_KERNELS=1) to float32 rounding.
+// padding. Softmax is exact two-pass float32: scores, then max/exp/sum, then the
+// weighted sum of V divided by the sum, which matches the torch path
+// (CBGEN_NO_KERNELS=1) to float32 rounding.
 //
 // Where the compiler targets AVX-512 or AVX2+FMA (the build uses -march=native
 // on x86-64), float32 and bfloat16 caches take SIMD paths: K rows are scored
