@@ -19,8 +19,8 @@ from cbgen.executor.cpu.kernels import decode_kernel
 
 pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
 
-FAST = ["llama", "qwen2", "qwen3", "mistral", "mistral-sliding"]
-NOT_FAST = ["phi3", "gemma", "granite", "gpt2"]
+FAST = ["llama", "qwen2", "qwen3", "mistral", "mistral-sliding", "gemma", "gemma2", "gemma3"]
+NOT_FAST = ["phi3", "granite", "gpt2"]
 
 
 @pytest.mark.parametrize("arch", FAST + NOT_FAST)

@@ -93,6 +93,16 @@ def test_probe_sees_the_dtype_it_runs_in():
         runner.close()
 
 
+@pytest.mark.parametrize(("arch", "softcaps"), [("gemma2", {0: 5.0, 1: 5.0}), ("llama", {})])
+def test_probe_records_the_soft_capping_each_layer_passed(arch, softcaps):
+    """The fast decoder passes each layer's attention soft-capping on from the probe."""
+    runner = Executor(make_tiny_model(arch), use_native_kernels=False)
+    try:
+        assert runner.probe.softcaps == softcaps
+    finally:
+        runner.close()
+
+
 def test_groups_follow_the_probed_kinds():
     layers = Executor(make_tiny_model("gemma3"), use_native_kernels=False).probe.layers
     groups = build_groups(layers)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class FastDecoder(ModelAdapter):
     """The fast decoder path; ``fast_forward`` is the ``FastForward`` once accepted."""
 
-    name = "llama-fast-decoder"
+    name = "fast-decoder"
 
     def __init__(
         self, probe: ProbeRecord, linear: LinearBackend | None, layer_ops: LayerOps | None

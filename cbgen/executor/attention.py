@@ -159,6 +159,7 @@ class NativeCpuAttention(AttentionBackend):
         q: torch.Tensor,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """``attend`` for a caller that stored the layer's new K/V itself (the fast
         decoder's ``rope_qkv``), with ``q`` ``[tokens, heads, dim]`` as that op returns
@@ -179,7 +180,7 @@ class NativeCpuAttention(AttentionBackend):
                 *_row_tables(metadata, layer),
                 scale,
                 sliding_window or 0,
-                0.0,
+                softcap or 0.0,
                 None,
             )
         return self._run(
@@ -189,7 +190,7 @@ class NativeCpuAttention(AttentionBackend):
             *_row_tables(metadata, layer),
             scale,
             sliding_window,
-            None,
+            softcap,
         )
 
     def decode(

@@ -97,7 +97,7 @@ def paged_attention(
     q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim], [kv_heads, tokens, dim]
 
     if isinstance(metadata, ProbeRecord):
-        return _probe(metadata, module, q, k, v, scale, sliding_window)
+        return _probe(metadata, module, q, k, v, scale, sliding_window, softcap)
 
     out = metadata.backend.attend(
         metadata,
@@ -148,6 +148,7 @@ def _probe(
     v: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, None]:
     if id(module) in record.layer_of_module:
         raise NotImplementedError(
@@ -156,6 +157,8 @@ def _probe(
     record.layer_of_module[id(module)] = len(record.layers)
     window = int(sliding_window) if sliding_window else None
     record.layers.append(LayerSpec(k.shape[0], k.shape[2], v.shape[2], k.dtype, window))
+    if softcap:
+        record.softcaps[len(record.layers) - 1] = float(softcap)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0),
         k.unsqueeze(0),

@@ -143,10 +143,13 @@ class ProbeRecord:
 
     Each spec holds what the layer's attention call showed: K/V heads and head sizes
     (from the tensors), dtype, and the ``sliding_window`` the module passed.
+    ``softcaps``: the logit soft-capping a layer passed (Gemma 2), by layer; the cache
+    does not depend on it, the fast decoder passes it on.
     ``state_layers``: what each state-keeping layer keeps per request.
     """
 
     layer_of_module: dict[int, int] = field(default_factory=dict)
     layers: list[LayerSpec] = field(default_factory=list)
+    softcaps: dict[int, float] = field(default_factory=dict)
     # The layers that keep a per-request state instead of K/V (``StateMixers``' order).
     state_layers: list[StateSpec] = field(default_factory=list)
