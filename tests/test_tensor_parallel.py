@@ -159,7 +159,7 @@ ENGINE_ARCHITECTURES = [
 ]
 
 
-FAST_ARCHITECTURES = {"llama", "llama-kv1", "qwen2", "qwen3", "mistral-sliding"}
+FAST_ARCHITECTURES = {"llama", "llama-kv1", "qwen2", "qwen3", "gemma2", "mistral-sliding"}
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHITECTURES)
@@ -174,7 +174,7 @@ def test_tp2_greedy_equals_generate(arch):
         results = run_until_done(engine)
         stats = engine.executor.reduce_stats()
         fast = engine.executor.runner.fast_forward is not None
-    # The Llama-family fast decoder runs the rank's shard, with the all-reduces itself.
+    # The fast decoder runs the rank's shard, with the all-reduces itself.
     assert fast == (arch in FAST_ARCHITECTURES)
     for rid, prompt in zip(ids, prompts, strict=True):
         assert results[rid].token_ids == reference_greedy(model, prompt, 8), rid
