@@ -2,6 +2,10 @@
 
 ``python bench/micro_step.py --seqs 64 --ctx 400 --threads 1``
 
+``--arch phi3`` (any ``model_type`` transformers' ``AutoConfig.for_model`` knows) times a
+random-weight model of that architecture at the bundled SmolLM2's sizes instead, in
+``--dtype``: for architectures whose weights are not bundled.
+
 Prefills ``--seqs`` random prompts of ``--ctx`` tokens, then times decode steps
 (``EngineCore.step``) under each variant in turn (A, B, A, B, ...), reporting
 medians: on a shared machine absolute timings drift, so only variants measured
@@ -14,7 +18,10 @@ side by side are compared. Times are the main thread's CPU time with one thread
   linear maps on or off;
 * ``unfused``: the model's own forward, prepacked, but q/k/v and gate/up as
   separate GEMMs;
-* ``kernel`` / ``torch-attn``: the native paged decode kernel or the torch path.
+* ``kernel`` / ``torch-attn``: the native paged decode kernel or the torch path;
+* ``engine`` / ``engine-module``: the engine as it built itself (its own linear maps,
+  in any dtype), with its fast decoder or with the model's own forward on the same maps.
+  Compare these two with each other only: the variants above repack the maps.
 
 ``--profile`` prints a torch.profiler table of a few steps of the first variant.
 """
@@ -50,13 +57,40 @@ def prefilled_engine(model: torch.nn.Module, seqs: int, ctx: int) -> EngineCore:
     return engine
 
 
+def smollm2_sized(arch: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight ``arch`` model with SmolLM2-135M's layer count, widths, heads and
+    vocabulary (transformers' defaults for everything else)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
 def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
     """Setters that switch the engine to each variant."""
     runner, builder, model = engine.executor.runner, engine.executor.batch_builder, engine.model
     kernel = decode_kernel()
     native = NativeCpuAttention(NativeKernels())
-    assert native.supports(model, torch.float32, torch.device("cpu")) is None
     packed: list[PackedLinears] = []
+    own_fast_forward = runner.fast_forward
+
+    def engine_built(fast: bool) -> Callable[[], None]:
+        def apply() -> None:
+            runner.fast_forward = own_fast_forward if fast else None
+
+        return apply
 
     def prepack(on: bool, fuse: bool = True, fast: bool = True) -> Callable[[], None]:
         def apply() -> None:
@@ -86,6 +120,8 @@ def variants(engine: EngineCore) -> dict[str, Callable[[], None]]:
         "unfused": prepack(True, fuse=False),
         "kernel": attn(True),
         "torch-attn": attn(False),
+        "engine": engine_built(True),
+        "engine-module": engine_built(False),
     }
 
 
@@ -97,10 +133,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compare", default="prepack,fast", help="comma-separated variants")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--arch", help="a random-weight model of this model_type, SmolLM2-sized")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    model, _ = cbgen.load_model("smollm2")
+    dtype = getattr(torch, args.dtype)
+    if args.arch:
+        model = smollm2_sized(args.arch, dtype)
+    else:
+        model, _ = cbgen.load_model("smollm2", dtype=dtype)
     engine = prefilled_engine(model, args.seqs, args.ctx)
     setters = variants(engine)
     names = args.compare.split(",")

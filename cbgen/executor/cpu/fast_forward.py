@@ -65,10 +65,12 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "CBGEN_NO_FAST_FORWARD"
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"}
 )
 # Llama's RMSNorm multiplies by its weight; Gemma's by 1 + its weight (in float32).
-_LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_LLAMA_NORMS = frozenset(
+    {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"}
+)
 _GEMMA_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
 # The MLP activations: SiLU (a fused C++ op in bfloat16) or GELU's tanh form, whose
 # module the fast path calls as the MLP does.
@@ -322,11 +324,10 @@ def plan_fast_forward(
     head_dim = int(getattr(first, "head_dim", 0))
     _require(head_dim > 0 and head_dim % 2 == 0, "no even head_dim on the attention module")
     # The heads this process holds: the config's, or a tensor-parallel rank's share.
-    heads = int(first.q_proj.out_features) // head_dim  # type: ignore[union-attr]
-    kv_heads = int(first.k_proj.out_features) // head_dim  # type: ignore[union-attr]
+    q_width, kv_width = _qkv_widths(first, config)  # type: ignore[arg-type]
+    heads, kv_heads = q_width // head_dim, kv_width // head_dim
     _require(
-        heads * head_dim == first.q_proj.out_features  # type: ignore[union-attr]
-        and heads % max(kv_heads, 1) == 0,
+        heads * head_dim == q_width and heads % max(kv_heads, 1) == 0,
         "query heads that are not groups of K/V heads",
     )
     by_type = _rotary_takes_layer_type(base.rotary_emb)
@@ -353,15 +354,19 @@ def plan_fast_forward(
             post_norm, post_eps = _rms_norm(layer.post_attention_layernorm)
         _require(
             getattr(attn, "head_dim", None) == head_dim
-            and attn.q_proj.out_features == heads * head_dim
-            and attn.k_proj.out_features == kv_heads * head_dim
-            and attn.v_proj.out_features == kv_heads * head_dim,
+            and _qkv_widths(attn, config) == (heads * head_dim, kv_heads * head_dim),
             "attention heads differ between layers",
         )
-        act_name = type(getattr(mlp, "act_fn", None)).__name__
+        # Phi-3's MLP calls it activation_fn (and multiplies up by it, the same product).
+        act_fn = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        act_name = type(act_fn).__name__
         _require(act_name in _SILU + _GELU_TANH, f"the MLP's activation is {act_name}")
-        qkv = packed.fused_weight((attn.q_proj, attn.k_proj, attn.v_proj))
-        gate_up = packed.fused_weight((mlp.gate_proj, mlp.up_proj))
+        _require(
+            not layer.training
+            or all(m.p == 0 for m in layer.modules() if isinstance(m, nn.Dropout)),
+            "a layer has dropout and is in training mode",
+        )
+        qkv, gate_up, intermediate = _fused_maps(attn, mlp, packed)
         o, down = packed.packed_weight(attn.o_proj), packed.packed_weight(mlp.down_proj)
         _require(
             None not in (qkv, gate_up, o, down), "a layer's linear maps are not packed and fused"
@@ -378,14 +383,14 @@ def plan_fast_forward(
                 post_eps=post_eps,
                 gate_up=gate_up,  # type: ignore[arg-type]
                 down=down,  # type: ignore[arg-type]
-                intermediate=int(mlp.gate_proj.out_features),
+                intermediate=intermediate,
                 scale=float(attn.scaling),
                 sliding_window=probe.layers[index].sliding_window,
                 softcap=probe.softcaps.get(index),
                 rope=rope,
                 attn_out_norm=attn_out_norm,
                 mlp_out_norm=mlp_out_norm,
-                act=None if act_name in _SILU else mlp.act_fn,
+                act=None if act_name in _SILU else act_fn,
                 qk_norms=qk_norms,
                 o_reduce=_row_reduce(attn.o_proj),
                 down_reduce=_row_reduce(mlp.down_proj),
@@ -393,6 +398,42 @@ def plan_fast_forward(
         )
     _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
     return FastForward(model, layers, lm_head, layer_ops, heads, kv_heads, head_dim)
+
+
+def _qkv_widths(attn: nn.Module, config: Any) -> tuple[int, int]:
+    """The widths of an attention module's q and of its k (and v) outputs. Phi-3 has one
+    fused q/k/v map, split by the config's heads (a rank's slice of it is not supported)."""
+    if hasattr(attn, "qkv_proj"):
+        head_dim = int(attn.head_dim)
+        q_width = int(config.num_attention_heads) * head_dim
+        kv_width = int(config.num_key_value_heads) * head_dim
+        _require(
+            attn.qkv_proj.out_features == q_width + 2 * kv_width,
+            "a fused q/k/v map that is not the config's heads",
+        )
+        return q_width, kv_width
+    _require(
+        attn.k_proj.out_features == attn.v_proj.out_features, "keys and values of other widths"
+    )
+    return int(attn.q_proj.out_features), int(attn.k_proj.out_features)
+
+
+def _fused_maps(
+    attn: nn.Module, mlp: nn.Module, packed: PackedLinears
+) -> tuple[LinearMap | None, LinearMap | None, int]:
+    """A layer's q/k/v map, gate/up map and the MLP's intermediate width: the packer's fused
+    groups of the separate maps, or the model's own fused maps (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``, gate first)."""
+    if hasattr(attn, "qkv_proj"):
+        qkv = packed.packed_weight(attn.qkv_proj)
+    else:
+        qkv = packed.fused_weight((attn.q_proj, attn.k_proj, attn.v_proj))
+    if hasattr(mlp, "gate_up_proj"):
+        width = int(mlp.gate_up_proj.out_features)
+        _require(width % 2 == 0, "a fused gate/up map of odd width")
+        return qkv, packed.packed_weight(mlp.gate_up_proj), width // 2
+    gate_up = packed.fused_weight((mlp.gate_proj, mlp.up_proj))
+    return qkv, gate_up, int(mlp.gate_proj.out_features)
 
 
 def _qk_norms(
