@@ -59,6 +59,8 @@ def _base_config(arch: str):
         return tf.MistralConfig(**COMMON, sliding_window=12)
     if arch == "phi3":
         return tf.Phi3Config(**COMMON)
+    if arch == "phi3-partial":  # Phi-4-mini's kind: the rotary embedding turns part of each head
+        return tf.Phi3Config(**COMMON, partial_rotary_factor=0.5)
     if arch == "gemma":
         return tf.GemmaConfig(**COMMON, head_dim=16)
     if arch == "gemma2":
@@ -127,6 +129,7 @@ ARCHITECTURES = [
     "mistral",
     "mistral-sliding",
     "phi3",
+    "phi3-partial",
     "gemma",
     "gemma2",
     "gemma3",

@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    COMMON,
     fast_path_errors,
     fast_path_steps,
     make_tiny_model,
     random_prompts,
-    reference_greedy,
     run_until_done,
 )
 
@@ -28,6 +26,7 @@ FAST = [
     "mistral",
     "mistral-sliding",
     "phi3",
+    "phi3-partial",
     "gemma",
     "gemma2",
     "gemma3",
@@ -60,22 +59,6 @@ def test_bfloat16_step_logits_are_close_to_the_bfloat16_model_forward(arch):
     model = make_tiny_model(arch).to(torch.bfloat16)
     errors = fast_path_errors(model, random_prompts(5, 3, 30, seed=1))
     assert errors and max(errors) < 0.05, errors
-
-
-def test_a_partial_rotary_embedding_keeps_the_model_forward():
-    """Phi-3 with a rotary embedding over half of each head (Phi-4-mini has 3/4): the
-    fused rope op rotates whole heads, so the model's own forward serves it, exactly."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.Phi3Config(**COMMON, partial_rotary_factor=0.5)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    prompt = [5, 9, 17, 33, 2, 71]
-    with EngineCore(model) as engine:
-        assert engine.executor.runner.fast_forward is None
-        engine.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True), "p")
-        tokens = run_until_done(engine)["p"].token_ids
-    assert tokens == reference_greedy(model, prompt, 6)
 
 
 def test_outputs_equal_with_and_without_the_fast_path(monkeypatch):

@@ -42,6 +42,44 @@ def test_rope_qkv_is_bitwise_apply_rotary_pos_emb(tokens, heads, kv_heads, dim):
     assert torch.equal(fused[:, v_cols], qkv[:, v_cols])  # values untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dim", "rotary"), [(16, 8), (64, 48), (32, 2)])
+def test_rope_qkv_on_part_of_each_head_is_bitwise_phi3s(dtype, dim, rotary):
+    """A rotary embedding narrower than the head (Phi-4-mini: 3/4 of it) turns the
+    first ``rotary`` of each head's dims and passes the rest, as Phi-3's
+    apply_rotary_pos_emb does; the keys and values reach the cache the same way."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
+
+    torch.manual_seed(dim + rotary)
+    tokens, heads, kv_heads = 5, 4, 2
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 4).to(dtype)
+    cos, sin = torch.randn(tokens, rotary), torch.randn(tokens, rotary)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    # In float32, then rounded once: the kernel's arithmetic for bfloat16 rows.
+    q_ref, k_ref = phi3_rope(
+        q.float(), k.transpose(0, 1).unsqueeze(0).float(), cos.unsqueeze(0), sin.unsqueeze(0)
+    )
+    q_ref, k_ref = q_ref[0].transpose(0, 1).to(dtype), k_ref[0].transpose(0, 1).to(dtype)
+    blocks, block_size = 3, 4
+    keys = torch.zeros(kv_heads, blocks, block_size, dim, dtype=dtype)
+    values = torch.zeros_like(keys)
+    slots = torch.tensor([7, 0, 11, 3, 5])
+    fused = qkv.clone()
+    got = kernels.rope_qkv(fused, cos, sin, heads, kv_heads, keys, values, slots, head_dim=dim)
+    assert torch.equal(got, q_ref)
+    passed = qkv[:, : heads * dim].view(tokens, heads, dim)[..., rotary:]
+    assert torch.equal(got[..., rotary:], passed)
+    k_got = fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    assert torch.equal(k_got, k_ref)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    flat_keys, flat_values = keys.view(kv_heads, -1, dim), values.view(kv_heads, -1, dim)
+    assert torch.equal(flat_keys[:, slots].transpose(0, 1), k_ref)
+    assert torch.equal(flat_values[:, slots].transpose(0, 1), v)
+    with pytest.raises(RuntimeError, match="even width up to head_dim"):
+        kernels.rope_qkv(qkv.clone(), cos, sin, heads, kv_heads, head_dim=rotary // 2)
+
+
 @pytest.mark.parametrize("rows", [1, 64, 300])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm_matches_llama_rms_norm(rows, with_delta):

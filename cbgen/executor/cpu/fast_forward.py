@@ -184,6 +184,7 @@ class FastForward:
                 cache.keys[layer.index],
                 cache.values[layer.index],
                 metadata.tables(layer.index).slot_mapping,
+                self._head_dim,
             )
             if attend_stored is not None:
                 out = attend_stored(
@@ -339,7 +340,11 @@ def plan_fast_forward(
         _require(id(attn) in probe.layer_of_module, "an attention module the probe did not see")
         rope = getattr(attn, "layer_type", None) if by_type else None
         _require(not by_type or isinstance(rope, str), "an attention module has no layer type")
-        _require(_rotary_width(base, head_dim, rope), "the rotary embedding does not span the head")
+        rotary = _rotary_width(base, rope)
+        _require(
+            rotary % 2 == 0 and 0 < rotary <= head_dim,
+            f"a rotary embedding {rotary} wide on heads of {head_dim}",
+        )
         input_norm, input_eps = _rms_norm(layer.input_layernorm)
         # Gemma 2 and 3 norm the attention's output (post_attention_layernorm) and have the
         # MLP's input norm apart (pre_feedforward_layernorm); Llama's post-attention norm is
@@ -510,9 +515,11 @@ def _rotary_takes_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
-def _rotary_width(base: nn.Module, head_dim: int, rope: str | None) -> bool:
+def _rotary_width(base: nn.Module, rope: str | None) -> int:
+    """How much of each head the rotary embedding turns: all of it, or a part
+    (Phi-4-mini's 3/4), which ``rope_qkv`` turns as ``apply_rotary_pos_emb`` does."""
     with torch.inference_mode():
         cos, sin = _cos_sin(
             base.rotary_emb, torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.long), rope
         )
-    return cos.shape[-1] == head_dim and sin.shape[-1] == head_dim
+    return int(cos.shape[-1]) if cos.shape == sin.shape else 0

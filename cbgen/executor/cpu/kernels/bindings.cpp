@@ -12,7 +12,7 @@ at::Tensor add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tens
 at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                     int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& key_cache,
                     const c10::optional<at::Tensor>& value_cache,
-                    const c10::optional<at::Tensor>& slots);
+                    const c10::optional<at::Tensor>& slots, int64_t head_dim);
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
 at::Tensor argmax_rows(const at::Tensor& logits);
 bool int4_vnni_available();
@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv, "rotary embedding of a fused q/k/v projection (CPU)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
         py::arg("key_cache") = py::none(), py::arg("value_cache") = py::none(),
-        py::arg("slots") = py::none());
+        py::arg("slots") = py::none(), py::arg("head_dim") = 0);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused bfloat16 gate/up projection (CPU)",
         py::arg("gate_up"), py::arg("intermediate"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) of float32 [rows, vocab] (CPU)");

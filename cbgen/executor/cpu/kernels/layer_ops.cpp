@@ -134,13 +134,13 @@ namespace {
 
 template <typename Q, typename C>
 void rope_rows(Q* src_ptr, int64_t stride, const float* c_ptr, const float* s_ptr, C* q_ptr,
-               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, C* k_cache,
-               C* v_cache, int64_t cache_head_stride, const int64_t* slot_ptr) {
-  const int64_t half = dim / 2;
+               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t rotary,
+               C* k_cache, C* v_cache, int64_t cache_head_stride, const int64_t* slot_ptr) {
+  const int64_t half = rotary / 2;
   at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = c_ptr + t * dim;
-      const float* s = s_ptr + t * dim;
+      const float* c = c_ptr + t * rotary;
+      const float* s = s_ptr + t * rotary;
       Q* row = src_ptr + t * stride;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         Q* x = row + h * dim;
@@ -174,6 +174,12 @@ void rope_rows(Q* src_ptr, int64_t stride, const float* c_ptr, const float* s_pt
             x[j + half] = static_cast<Q>(y_hi);
           }
         }
+        // A rotary embedding over part of the head (Phi-4-mini): the rest passes as it
+        // is, into the queries' new tensor (the keys' stay in place).
+        if (h < heads) {
+          C* y = q_ptr + (t * heads + h) * dim;
+          for (int64_t i = rotary; i < dim; ++i) y[i] = static_cast<C>(static_cast<float>(x[i]));
+        }
       }
       if (k_cache != nullptr) {
         const int64_t offset = slot_ptr[t] * dim;
@@ -200,7 +206,9 @@ void rope_rows(Q* src_ptr, int64_t stride, const float* c_ptr, const float* s_pt
 }  // namespace
 
 // qkv: [tokens, (heads + 2 * kv_heads) * dim], the fused q/k/v projection (rows
-// contiguous); cos, sin: [tokens, dim] float32. Applies the rotary embedding as
+// contiguous); cos, sin: [tokens, rotary] float32, rotary = dim unless head_dim gives
+// dim apart (a rotary embedding over the first `rotary` of each head's dim, as
+// apply_rotary_pos_emb does when cos is narrower than the head). Applies the rotary embedding as
 // transformers' apply_rotary_pos_emb does (x * cos + rotate_half(x) * sin, with
 // rotate_half(x) = cat(-x2, x1)): to the queries into a new [tokens, heads, dim]
 // tensor, which is returned, and to the keys in place. Values are left alone.
@@ -214,7 +222,7 @@ void rope_rows(Q* src_ptr, int64_t stride, const float* c_ptr, const float* s_pt
 at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                     int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& key_cache,
                     const c10::optional<at::Tensor>& value_cache,
-                    const c10::optional<at::Tensor>& slots) {
+                    const c10::optional<at::Tensor>& slots, int64_t head_dim) {
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
@@ -222,8 +230,10 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
               "cos and sin must be float32");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
               "cos and sin must be contiguous and the same shape");
-  const int64_t tokens = qkv.size(0), dim = cos.size(1);
-  TORCH_CHECK(dim % 2 == 0 && cos.size(0) == tokens, "cos/sin must be [tokens, even dim]");
+  const int64_t tokens = qkv.size(0), rotary = cos.size(1);
+  const int64_t dim = head_dim > 0 ? head_dim : rotary;
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= dim && cos.size(0) == tokens,
+              "cos/sin must be [tokens, an even width up to head_dim]");
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv width is not (heads + 2 kv) * dim");
   const bool store = key_cache.has_value();
   TORCH_CHECK(store == value_cache.has_value() && store == slots.has_value(),
@@ -257,7 +267,7 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     with_type(cache_type, [&](auto* c_tag) {
       using C = std::remove_pointer_t<decltype(c_tag)>;
       rope_rows<Q, C>(qkv.data_ptr<Q>(), qkv.stride(0), cos.data_ptr<float>(),
-                      sin.data_ptr<float>(), q.data_ptr<C>(), tokens, heads, kv_heads, dim,
+                      sin.data_ptr<float>(), q.data_ptr<C>(), tokens, heads, kv_heads, dim, rotary,
                       store ? key_cache->data_ptr<C>() : nullptr,
                       store ? value_cache->data_ptr<C>() : nullptr, cache_head_stride, slot_ptr);
     });
