@@ -257,20 +257,24 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
 // 49) and reads each weight as the two bytes it is.
 //
 // The rows go in the vector lanes: the activations are widened once a call into a panel
-// [row chunk of 32][k][32] float32, and each weight, widened by a shift, is broadcast
-// against four vectors of 8 rows. A register tile is 2 weight rows x 32 activation rows
-// (8 float32 sums, 4 activation vectors, a broadcast: 14 of AVX2's 16 registers; fewer
-// rows take more weight rows, up to 6 against 8 rows), so no weight is ever transposed
-// or copied. Each sum runs along k in order, one FMA a column, through every chunk of
+// [row chunk of 24][k][24] float32, and each weight, widened by a shift, is broadcast
+// against three vectors of 8 rows. A register tile is 4 weight rows x 24 activation rows
+// (12 float32 sums, 3 activation vectors, a broadcast: all 16 of AVX2's registers; fewer
+// rows take more weight rows, up to 12 against 8 rows), so no weight is ever transposed
+// or copied. Twelve sums are twelve chains of FMAs: with an FMA's 5-cycle latency and
+// two issued a cycle, ten keep both pipes busy, where the 2 x 32 tile's eight could not
+// (the 2026-12-07 AVX2 EPYC, SmolLM2's maps and head at 64 rows, 2 threads: 166.5-167.8
+// -> 140.8-141.9 ms, at 40 rows 121-125 -> 98-99; Gemma 3 270M's at 64 rows 305-307 ->
+// 256-261). Each sum runs along k in order, one FMA a column, through every chunk of
 // columns (the tile's sums are kept between chunks), so a row's outputs do not depend on
 // the rows beside it, nor on the thread count.
 #if CBGEN_BF16_AVX2
 namespace {
 
-constexpr int64_t kLaneRows = 32;     // activation rows a register tile takes (4 vectors)
+constexpr int64_t kLaneRows = 24;     // activation rows a register tile takes (3 vectors)
 constexpr int64_t kColumns = 128;     // columns a tile runs between keeping its sums
-constexpr int64_t kBlockRows = 24;    // weight rows a task takes (a multiple of every tile's)
-constexpr int64_t kPanelRows = 128;   // activation rows a task's tiles hold at a time
+constexpr int64_t kBlockRows = 48;    // weight rows a task takes (a multiple of every tile's)
+constexpr int64_t kPanelRows = 120;   // activation rows a task's tiles hold at a time
 
 // The FMAs of `width` columns: each column's V activation vectors against the N
 // widened weights of that column (wide[n][i]), onto acc.
@@ -319,11 +323,11 @@ inline void lanes_tile(const uint16_t* w, int64_t k, const float* panel, int64_t
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(tile + n * kLaneRows + v * 8, acc[n][v]);
 }
 
-// Weight rows a tile takes against V vectors of activation rows: about 8 float32 sums
-// a tile, so fewer activation vectors share each broadcast among more weight rows (one
-// vector of 8 rows against 2 weight rows would do two FMAs a broadcast and a load).
+// Weight rows a tile takes against V vectors of activation rows: 12 float32 sums a tile
+// (chains enough for the FMA pipes), so fewer activation vectors share each broadcast
+// among more weight rows.
 template <int V>
-constexpr int kTileWeights = V == 1 ? 6 : V == 2 ? 4 : V == 3 ? 3 : 2;
+constexpr int kTileWeights = V == 1 ? 12 : V == 2 ? 6 : 4;
 
 template <int V>
 void lanes_rows(const uint16_t* w, int64_t k, int64_t rows, const float* panel,
@@ -375,8 +379,7 @@ void lanes_matmul(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, in
             switch ((lanes + 7) / 8) {
               case 1: lanes_rows<1>(wc, k, rows, p, columns, t, c0 == 0); break;
               case 2: lanes_rows<2>(wc, k, rows, p, columns, t, c0 == 0); break;
-              case 3: lanes_rows<3>(wc, k, rows, p, columns, t, c0 == 0); break;
-              default: lanes_rows<4>(wc, k, rows, p, columns, t, c0 == 0); break;
+              default: lanes_rows<3>(wc, k, rows, p, columns, t, c0 == 0); break;
             }
           }
         }
