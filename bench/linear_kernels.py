@@ -5,7 +5,7 @@
 For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
 cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 8 rows), plain bfloat16 weights
 widened to float32 a chunk at a time for torch's float32 GEMM (``bf16-widened``, what
-``bf16-packed`` runs from ``LANES_MAX_ROWS`` rows on where oneDNN packs no bfloat16),
+``bf16-packed`` runs where oneDNN packs no bfloat16 and cbgen's lanes kernel is not built),
 weight-only int8 (with
 cbgen's few-row kernel, and ``int8-torch``: torch's kernel at every row count), 4-bit
 (cbgen's bfloat16 kernel, and ``int4-torch``: torch's) and 4-bit with int8 activations

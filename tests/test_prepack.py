@@ -392,10 +392,9 @@ def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypat
 def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch, row_copy):
     """An AVX2-only CPU (oneDNN packs no bfloat16 there; forced here on any CPU) still
     serves bfloat16 maps, fused as elsewhere, from the one plain copy whatever the
-    row-copy setting: 1-8 rows on the row kernel, then up to ``LANES_MAX_ROWS`` on
-    ``bf16_avx2_matmul`` where it is built, the rest widened to float32
-    (``widened_linear``), bit for bit; each is the float32 product to one bfloat16
-    rounding."""
+    row-copy setting: 1-8 rows on the row kernel, more on ``bf16_avx2_matmul`` where it
+    is built (else widened to float32, ``widened_linear``), bit for bit; each is the
+    float32 product to one bfloat16 rounding."""
     monkeypatch.setattr(prepack, "onednn_packs", lambda dtype: dtype is not torch.bfloat16)
     monkeypatch.setenv(ROW_COPY_ENV, row_copy)
     torch.manual_seed(0)
@@ -407,13 +406,13 @@ def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch,
     assert (linear_map.lanes_kernel is not None) == lanes
     assert linear_map.row_kernel_rows == prepack.PLAIN_ROW_KERNEL_ROWS == 8
     with torch.inference_mode():
-        for rows in (1, 4, 5, 8, 9, 64, prepack.LANES_MAX_ROWS - 1, prepack.LANES_MAX_ROWS):
+        for rows in (1, 4, 5, 8, 9, 64, 127, 128, 300):
             x = torch.randn(rows, 96).to(torch.bfloat16)
             got = model[0](x)
             if rows <= prepack.PLAIN_ROW_KERNEL_ROWS:
                 want = decode_kernel().bf16_rows_matmul(x, linear_map.weight, model[0].bias)
             else:
-                if lanes and rows < prepack.LANES_MAX_ROWS:
+                if lanes:
                     kernel = decode_kernel()
                     want = kernel.bf16_avx2_matmul(x, linear_map.weight, model[0].bias)
                 else:

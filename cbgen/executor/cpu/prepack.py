@@ -114,7 +114,7 @@ class PackedMap(LinearMap):
     Where oneDNN cannot pack the dtype (bfloat16 on an AVX2-only CPU: ``onednn_packs``)
     the map holds the plain weight alone (``packed`` is None): the row kernel's AVX2
     build for 1 to ``PLAIN_ROW_KERNEL_ROWS`` rows, ``bf16_avx2_matmul`` (rows in the
-    vector lanes) up to ``LANES_MAX_ROWS``, ``widened_linear`` for more.
+    vector lanes) for more, and ``widened_linear`` where that kernel is not built.
     """
 
     def __init__(
@@ -149,7 +149,7 @@ class PackedMap(LinearMap):
             out = self.rows_kernel.bf16_rows_matmul(rows, self.weight, self.bias)
             out = out if rows is x else out.view(*x.shape[:-1], self.out_features)
         elif self.packed is None:
-            if self.lanes_kernel is not None and rows.shape[0] < LANES_MAX_ROWS:
+            if self.lanes_kernel is not None:
                 out = self.lanes_kernel.bf16_avx2_matmul(rows, self.weight, self.bias)
                 out = out.view(*x.shape[:-1], self.out_features)
             else:
@@ -164,13 +164,13 @@ class PackedMap(LinearMap):
         return x.dtype == self.dtype
 
 
-# Below this many rows, bf16 maps without oneDNN packing run cbgen's bf16_avx2_matmul;
-# from here on widened_linear, whose float32 GEMM (MKL's) is the faster one. Layer maps of
-# SmolLM2 and the 1B shape on an AMD EPYC (Zen 3, 2 threads), GMAC/s, lanes against
-# widened: 8 rows 20-24 against 8-9, 16 rows 42-50 against 13-16, 64 rows 64-71 against
-# 35-37, 96 rows 64-67 against 40-43; 128 rows 50-55 against 51-52 and 256 rows 47-54
-# against 54-66 (those two with the kernel's first, 2-row tiles).
-LANES_MAX_ROWS = 128
+# bf16 maps without oneDNN packing run cbgen's bf16_avx2_matmul at every batch size.
+# Until its 4 x 24 register tiles, widened_linear (MKL's float32 GEMM on widened chunks)
+# took 128 rows and more; since them the lanes kernel is the faster one there too, and a
+# row's bits no longer depend on the batch at any size. SmolLM2's maps and head, ms, on the
+# 2026-12-07 AVX2 EPYC (2 threads), widened against lanes: 128 rows 361 against 277, 256
+# rows 601 against 484, 1,024 rows 2,148 against 1,903; the 1B shape's at 256 rows 5,179
+# against 4,199, at 1,024 rows 18,705 against 17,480.
 
 # Weight bytes widened to float32 at a time by widened_linear (cache-sized chunks).
 WIDEN_CHUNK_BYTES = 8 << 20
