@@ -123,6 +123,7 @@ class FastForward:
         heads: int,
         kv_heads: int,
         head_dim: int,
+        norm: tuple[torch.Tensor, float],
     ) -> None:
         base = model.model  # type: ignore[union-attr]
         weight = base.embed_tokens.weight
@@ -133,7 +134,7 @@ class FastForward:
         self._rotary = base.rotary_emb
         # The dtype of the GEMMs' inputs and outputs; the residual stream stays float32.
         self._dtype = weight.dtype
-        self._norm, self._norm_eps = _rms_norm(base.norm)
+        self._norm, self._norm_eps = norm  # the final norm's (_rms_norm's) weight and eps
         self._final_softcap = getattr(model.config, "final_logit_softcapping", None)
         self._layers = layers
         self._rope_types = sorted({layer.rope for layer in layers if layer.rope is not None})
@@ -316,7 +317,7 @@ def plan_fast_forward(
         dtype == packed.dtype and all(p.dtype == dtype for p in model.parameters()),
         f"weights are not all {str(packed.dtype).removeprefix('torch.')}",
     )
-    _rms_norm(base.norm)  # raises when it is not an RMSNorm of a known kind
+    norm = _rms_norm(base.norm)
     lm_head = packed.packed_weight(getattr(model, "lm_head", None))  # type: ignore[arg-type]
     _require(lm_head is not None, "the LM head is not prepacked")
     assert lm_head is not None
@@ -340,11 +341,6 @@ def plan_fast_forward(
         _require(id(attn) in probe.layer_of_module, "an attention module the probe did not see")
         rope = getattr(attn, "layer_type", None) if by_type else None
         _require(not by_type or isinstance(rope, str), "an attention module has no layer type")
-        rotary = _rotary_width(base, rope)
-        _require(
-            rotary % 2 == 0 and 0 < rotary <= head_dim,
-            f"a rotary embedding {rotary} wide on heads of {head_dim}",
-        )
         input_norm, input_eps = _rms_norm(layer.input_layernorm)
         # Gemma 2 and 3 norm the attention's output (post_attention_layernorm) and have the
         # MLP's input norm apart (pre_feedforward_layernorm); Llama's post-attention norm is
@@ -402,7 +398,13 @@ def plan_fast_forward(
             )
         )
     _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
-    return FastForward(model, layers, lm_head, layer_ops, heads, kv_heads, head_dim)
+    for rope in {layer.rope for layer in layers}:  # one rotary probe a layer type, not a layer
+        rotary = _rotary_width(base, rope)
+        _require(
+            rotary % 2 == 0 and 0 < rotary <= head_dim,
+            f"a rotary embedding {rotary} wide on heads of {head_dim}",
+        )
+    return FastForward(model, layers, lm_head, layer_ops, heads, kv_heads, head_dim, norm)
 
 
 def _qkv_widths(attn: nn.Module, config: Any) -> tuple[int, int]:
