@@ -20,6 +20,7 @@ from torch import nn
 
 from ..executor.cpu.kernels import decode_kernel
 from ..executor.cpu.quantization import QuantizedLinear, quantize_int8
+from ..executor.cpu.quantized_experts import QuantizedExperts
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -83,10 +84,14 @@ def load_named_weights(model: nn.Module, weights: NamedTensors) -> int:
         for name, module in model.named_modules()
         if isinstance(module, QuantizedLinear)
     }
+    experts = _quantized_experts(model)
     plan: list[tuple[torch.Tensor | QuantizedLinear, torch.Tensor]] = []
     for name, value in items:
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"weight {name!r}: expected a tensor, got {type(value).__name__}")
+        if name in experts:
+            plan += _experts_plan(name, value, *experts[name])
+            continue
         if name in quantized:
             module = quantized[name]
             if tuple(value.shape) != (module.out_features, module.in_features):
@@ -113,6 +118,43 @@ def load_named_weights(model: nn.Module, weights: NamedTensors) -> int:
     return len(plan)
 
 
+def _quantized_experts(model: nn.Module) -> dict[str, tuple[QuantizedExperts, str]]:
+    """The 3D names transformers gives a quantized MoE layer's experts weights
+    (``...experts.gate_up_proj``, ``...experts.down_proj_bias``), each with its module and
+    the name of its per-expert maps."""
+    found: dict[str, tuple[QuantizedExperts, str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedExperts):
+            for maps in (module.first_name, "down_proj"):
+                found[f"{name}.{maps}"] = (module, maps)
+                found[f"{name}.{maps}_bias"] = (module, maps)
+    return found
+
+
+def _experts_plan(
+    name: str, value: torch.Tensor, module: QuantizedExperts, maps_name: str
+) -> list[tuple[torch.Tensor | QuantizedLinear, torch.Tensor]]:
+    """One plan entry per expert: its map requantized from its slice of a 3D weight, or
+    its bias copied from its row of a 2D one."""
+    maps: list[QuantizedLinear] = list(getattr(module, maps_name))
+    if value.dim() == 0 or value.shape[0] != len(maps):
+        raise ValueError(
+            f"weight {name!r}: shape {tuple(value.shape)}, not one entry per expert ({len(maps)})"
+        )
+    if name.endswith("_bias"):
+        if any(m.bias is None or m.bias.shape != value.shape[1:] for m in maps):
+            raise ValueError(f"weight {name!r}: shape {tuple(value.shape)} fits no bias here")
+        return [(m.bias, row) for m, row in zip(maps, value, strict=True) if m.bias is not None]
+    per_expert = module.expert_weight(value)
+    want = (maps[0].out_features, maps[0].in_features)
+    if tuple(per_expert[0].shape) != want:
+        raise ValueError(
+            f"weight {name!r}: shape {tuple(value.shape)} gives experts of "
+            f"{tuple(per_expert[0].shape)}, the model's are {want}"
+        )
+    return list(zip(maps, per_expert, strict=True))
+
+
 def _requantize(module: QuantizedLinear, weight: torch.Tensor) -> None:
     weight = weight.detach().to(device=module.codes.device, dtype=torch.float32)
     if module.mode == "int8":
@@ -121,7 +163,7 @@ def _requantize(module: QuantizedLinear, weight: torch.Tensor) -> None:
         module.scales.copy_(scales)
     else:
         # In place: a fused group's members hold views of its codes.
-        fresh = QuantizedLinear.from_linear(_linear(weight), module.mode, module.group_size)
+        fresh = QuantizedLinear.from_weight(weight, None, module.mode, module.group_size)
         if fresh.layout != module.layout:
             raise ValueError(
                 f"{module.layout!r} codes cannot take {fresh.layout!r} ones: the model was "
@@ -130,9 +172,3 @@ def _requantize(module: QuantizedLinear, weight: torch.Tensor) -> None:
         module.codes.copy_(fresh.codes)
         module.scales_minima.copy_(fresh.scales_minima)
     module._map = None  # the kernel built from the old codes
-
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    return linear

@@ -236,14 +236,22 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 32) -> QuantizedLinear:
-        bias = linear.bias.detach().float().clone() if linear.bias is not None else None
-        out_features, in_features = linear.out_features, linear.in_features
+        return cls.from_weight(linear.weight, linear.bias, mode, group_size)
+
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int = 32
+    ) -> QuantizedLinear:
+        """A module for ``weight`` ``[out, in]`` (and ``bias``), quantized in ``mode``: how
+        maps that are not ``nn.Linear`` modules (an MoE layer's experts) get codes."""
+        bias = bias.detach().float().clone() if bias is not None else None
+        out_features, in_features = weight.shape
         if mode == "int8":
-            codes, scales = quantize_int8(linear.weight)
+            codes, scales = quantize_int8(weight)
             return cls(in_features, out_features, mode, codes, scales, bias)
         if mode not in FOUR_BIT_MODES:
             raise ValueError(f"unknown quantization mode {mode!r}")
-        nibbles, scales, minima = quantize_int4_packed(linear.weight, group_size)
+        nibbles, scales, minima = quantize_int4_packed(weight, group_size)
         native = _native_4bit(out_features, in_features, nibbles.device, group_size)
         layout = _PATH_LAYOUT[_four_bit_path(native, mode == "w4a8", group_size)]
         if layout == "rows":
@@ -634,19 +642,25 @@ def _check_group_divides(
 
 
 def _shape_ok(linear: nn.Linear, mode: str, group_size: int) -> bool:
+    return shape_fits(linear.out_features, linear.in_features, mode, group_size)
+
+
+def shape_fits(out_features: int, in_features: int, mode: str, group_size: int) -> bool:
+    """Whether the kernels of ``mode`` take a map of this shape."""
     if mode in FOUR_BIT_MODES:
         # torch's 4-bit CPU layout: input columns in whole groups, outputs in blocks of 16.
-        return linear.in_features % group_size == 0 and linear.out_features % 16 == 0
+        return in_features % group_size == 0 and out_features % 16 == 0
     # torch's int8 kernel reads input columns 16 at a time: with any other count it
     # returns garbage or crashes the process on two rows or more (torch 2.13).
-    return linear.in_features % 16 == 0
+    return in_features % 16 == 0
 
 
 def quantize_model(
     model: nn.Module, mode: str, group_size: int = 32, lm_head: str | None = None
 ) -> int:
-    """Replace every CPU ``nn.Linear`` of ``model`` by a ``QuantizedLinear`` in ``mode``;
-    return how many were replaced.
+    """Replace every CPU ``nn.Linear`` of ``model`` by a ``QuantizedLinear`` in ``mode``,
+    and every MoE layer's experts by a ``QuantizedExperts`` (``quantized_experts``);
+    return how many modules were replaced.
 
     The LM head (``get_output_embeddings()``) is int8 in every mode unless ``lm_head``
     says otherwise: 4-bit logits cost the most quality for the fewest bytes (greedy
@@ -693,6 +707,14 @@ def quantize_model(
             page_out(child.weight.detach(), file_maps)
     if skipped:
         logger.info("cbgen: %d linear maps kept unquantized (shape): %s", len(skipped), skipped)
+    from .quantized_experts import quantize_experts
+
+    experts, kept = quantize_experts(
+        model, mode, group_size, lambda weight: page_out(weight, file_maps)
+    )
+    replaced += experts
+    if kept:
+        logger.warning("cbgen: %d experts modules kept unquantized: %s", len(kept), kept)
     config = getattr(model, "config", None)
     if config is not None:
         config.cbgen_quantization = mode
