@@ -15,7 +15,12 @@ from transformers import AutoModelForCausalLM
 from cbgen import SamplingParams, generate_batch
 from cbgen.core.weights import load_named_weights
 from cbgen.executor.cpu.quantization import QuantizedLinear, dequantize, quantize_model
-from cbgen.executor.cpu.quantized_experts import QuantizedExperts, experts_parameters, route_tokens
+from cbgen.executor.cpu.quantized_experts import (
+    QuantizedExperts,
+    experts_parameters,
+    quantizing_experts_as_loaded,
+    route_tokens,
+)
 
 # transformers 5's experts modules (3D gate_up_proj / down_proj) with the default gate.
 ROUTED = [
@@ -200,3 +205,34 @@ def test_bfloat16_experts_quantize_and_every_expert_map_is_a_quantized_linear():
         maps = [*module.first_maps, *module.down_proj]
         assert len(maps) == 2 * module.num_experts
         assert all(isinstance(m, QuantizedLinear) and m.mode == "w4a8" for m in maps)
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2_moe"])
+def test_experts_are_quantized_as_transformers_loads_them(arch, tmp_path):
+    """Inside ``quantizing_experts_as_loaded`` each experts module is already quantized when
+    ``from_pretrained`` returns (the bf16 experts never all in memory at once), with the
+    codes quantizing after the load gives; ``load_model`` loads that way."""
+    import cbgen
+
+    model = _model(arch)
+    model.save_pretrained(tmp_path)
+    with quantizing_experts_as_loaded("int4"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    names = set(_experts(model))
+    assert names and all(isinstance(loaded.get_submodule(n), QuantizedExperts) for n in names)
+    quantize_model(model, "int4")
+    via_loader, _ = cbgen.load_model(
+        str(tmp_path), dtype=torch.float32, quantization="int4", tokenizer=False
+    )
+    for name in names:
+        want = model.get_submodule(name).state_dict()
+        for got in (
+            loaded.get_submodule(name).state_dict(),
+            via_loader.get_submodule(name).state_dict(),
+        ):
+            assert got.keys() == want.keys()
+            assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    quantize_model(loaded, "int4")  # the linear maps
+    ids = torch.tensor([[5, 9, 17, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)

@@ -91,6 +91,30 @@ SHAPES: dict[str, ModelShape] = {
         },
         "Qwen/Qwen2.5-3B-Instruct",
     ),
+    # A mixture of experts: 6.9 B parameters, 1.3 B of them used a token (8 of 64 experts
+    # a layer), the experts 95% of the weights.
+    "olmoe-1b-7b": ModelShape(
+        "olmoe-1b-7b",
+        "olmoe",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": False,
+            "vocab_size": 50304,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 4096,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        "allenai/OLMoE-1B-7B-0924-Instruct",
+    ),
 }
 
 

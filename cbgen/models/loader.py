@@ -104,14 +104,29 @@ def load_model(
         )
     if dtype is None:
         dtype = torch.bfloat16 if quantization is not None else torch.float32
-    model, tok = _load(name_or_path, dtype, device, tokenizer)
+    if quantization is not None and torch.device(device).type == "cpu":
+        from ..executor.cpu.quantized_experts import quantizing_experts_as_loaded
+
+        with quantizing_experts_as_loaded(quantization, quantization_group_size):
+            model, tok = _load(name_or_path, dtype, device, tokenizer)
+    else:
+        model, tok = _load(name_or_path, dtype, device, tokenizer)
     if quantization is not None:
         if torch.device(device).type != "cpu":
             raise ValueError(f"quantization={quantization!r} runs CPU kernels; device is {device}")
-        replaced = quantize_model(
-            model, quantization, quantization_group_size, lm_head=lm_head_quantization
+        quantize_model(model, quantization, quantization_group_size, lm_head=lm_head_quantization)
+        from ..executor.cpu.quantization import QuantizedLinear
+        from ..executor.cpu.quantized_experts import QuantizedExperts
+
+        experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+        maps = sum(isinstance(m, QuantizedLinear) for m in model.modules())
+        maps -= sum(2 * m.num_experts for m in experts)
+        logger.info(
+            "cbgen: quantized to %s: %d linear maps, %d layers' experts",
+            quantization,
+            maps,
+            len(experts),
         )
-        logger.info("cbgen: %d linear maps quantized to %s", replaced, quantization)
         _release_file_mappings(model)
     return model, tok
 

@@ -508,19 +508,31 @@ def page_out(tensor: torch.Tensor, file_maps: list[tuple[int, int]]) -> int:
     that dropping would revert to the file's contents, so any range holding one, and any
     weight in anonymous memory, is left alone.
     """
-    madvise = _madvise()
-    if (
-        madvise is None
-        or tensor.device.type != "cpu"
-        or tensor.numel() == 0
-        or not tensor.is_contiguous()
-    ):
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
         return 0
-    page = mmap.PAGESIZE
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     if not any(low <= start and end <= high for low, high in file_maps):
         return 0
+    return _page_out_range(start, end)
+
+
+def page_out_files(suffix: str) -> int:
+    """``page_out`` for every memory-mapped file of this process named ``*suffix``, whole:
+    for reads made through copies, whose source tensors are out of reach (the
+    per-expert weights transformers stacks into one tensor a layer while loading)."""
+    return sum(
+        _page_out_range(mapping.start, mapping.end)
+        for mapping in file_mappings()
+        if mapping.path.endswith(suffix)
+    )
+
+
+def _page_out_range(start: int, end: int) -> int:
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    page = mmap.PAGESIZE
     start = -(-start // page) * page
     end = end // page * page
     if end <= start or not unmodified_file_pages(start, end, page):

@@ -19,15 +19,20 @@ than its module would with those codes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .prepack import page_out_files
 from .quantization import QuantizedLinear, shape_fits
+
+logger = logging.getLogger(__name__)
 
 # The parameter names of transformers 5's experts modules (``use_experts_implementation``):
 # gated experts hold ``gate_up_proj``, ungated ones ``up_proj``; biases are optional.
@@ -336,3 +341,60 @@ def quantize_experts(
             for weight in child.parameters(recurse=False):
                 done(weight.detach())
     return replaced, kept
+
+
+@contextlib.contextmanager
+def quantizing_experts_as_loaded(mode: str, group_size: int = 32) -> Iterator[None]:
+    """While transformers loads a model in this block, each experts module is quantized
+    as soon as its weights are in, and the checkpoint's file pages read so far are let
+    go.
+
+    transformers stacks a checkpoint's per-expert matrices into new 3D tensors as it
+    loads, so a model's experts were all in memory in bfloat16 before quantizing began:
+    an OLMoE-1B-7B peaked at 23 GiB loading to int4 (13 GB of experts, and the file's
+    pages read to make them), past what its 3.9 GB of codes need. The hook wraps
+    transformers' ``core_model_loading.set_param_for_module`` for the block; where that
+    function is missing (another transformers version) nothing is wrapped and
+    ``quantize_model`` quantizes the experts after loading, as before. Not for two loads
+    at once in threads."""
+    try:
+        from transformers import core_model_loading as loading
+    except ImportError:
+        yield
+        return
+    original = getattr(loading, "set_param_for_module", None)
+    if original is None:
+        yield
+        return
+
+    def set_param_for_module(model: nn.Module, target_name: str, *args: Any, **kwargs: Any) -> Any:
+        result = original(model, target_name, *args, **kwargs)
+        _quantize_when_loaded(model, target_name.rpartition(".")[0], mode, group_size)
+        return result
+
+    loading.set_param_for_module = set_param_for_module
+    try:
+        yield
+    finally:
+        loading.set_param_for_module = original
+
+
+def _quantize_when_loaded(model: nn.Module, path: str, mode: str, group_size: int) -> None:
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return
+    if experts_parameters(module) is None:
+        return
+    own = list(module.parameters(recurse=False))
+    if any(p.is_meta or p.device.type != "cpu" for p in own):
+        return  # not all in yet (or not for the CPU kernels)
+    try:
+        quantized = QuantizedExperts.from_experts(module, mode, group_size)
+    except ValueError:
+        return  # quantize_model tries again after loading, and logs why it cannot
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), name, quantized)
+    for weight in own:  # transformers' own references go when it moves on
+        weight.data = torch.empty(0, dtype=weight.dtype)
+    page_out_files(".safetensors")
