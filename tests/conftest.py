@@ -119,7 +119,9 @@ def _base_config(arch: str):
             eos_token_id=2,
             init_std=0.2,
         )
-    raise KeyError(arch)
+    from architectures import build_config  # the MoE, MLA and state families
+
+    return build_config(arch)
 
 
 ARCHITECTURES = [

@@ -30,8 +30,12 @@ FAST = [
     "gemma",
     "gemma2",
     "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
 ]
-NOT_FAST = ["granite", "gpt2"]
+NOT_FAST = ["granite", "gpt2", "phimoe"]
 
 
 @pytest.mark.parametrize("arch", FAST + NOT_FAST)
@@ -51,7 +55,7 @@ def test_step_logits_match_the_model_forward(arch):
     assert True in compared and False in compared  # decode-only and mixed steps both ran
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3", "qwen2_moe", "olmoe"])
 def test_bfloat16_step_logits_are_close_to_the_bfloat16_model_forward(arch):
     """In bfloat16 the fast path keeps the residual stream and norms in float32, so it is
     not bitwise transformers' bfloat16 forward: every step's logits within 5% (relative

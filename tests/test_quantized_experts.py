@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 from architectures import build_config
-from conftest import random_prompts
+from conftest import fast_path_errors, random_prompts
 from transformers import AutoModelForCausalLM
 
 from cbgen import SamplingParams, generate_batch
@@ -236,3 +236,13 @@ def test_experts_are_quantized_as_transformers_loads_them(arch, tmp_path):
     ids = torch.tensor([[5, 9, 17, 33]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe"])
+def test_quantized_moe_models_take_the_fast_decoder(arch):
+    """A bfloat16 MoE model with int4 maps and experts runs the fast decoder (its MoE
+    blocks called whole): every step's logits within 5% of the model's own forward."""
+    model = _model(arch, dtype=torch.bfloat16)
+    quantize_model(model, "int4")
+    errors = fast_path_errors(model, random_prompts(4, 3, 20, seed=6), max_new_tokens=5)
+    assert errors and max(errors) < 0.05, errors

@@ -159,7 +159,16 @@ ENGINE_ARCHITECTURES = [
 ]
 
 
-FAST_ARCHITECTURES = {"llama", "llama-kv1", "qwen2", "qwen3", "gemma2", "mistral-sliding"}
+FAST_ARCHITECTURES = {
+    "llama",
+    "llama-kv1",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "mistral-sliding",
+    "mixtral",
+    "qwen2_moe",
+}
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHITECTURES)

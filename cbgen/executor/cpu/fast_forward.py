@@ -65,11 +65,35 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "CBGEN_NO_FAST_FORWARD"
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"}
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        # Mixtures of experts: their MoE blocks run as the model's own modules.
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "olmoe",
+    }
 )
 # Llama's RMSNorm multiplies by its weight; Gemma's by 1 + its weight (in float32).
 _LLAMA_NORMS = frozenset(
-    {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"}
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen3RMSNorm",
+        "Phi3RMSNorm",
+        "MixtralRMSNorm",
+        "Qwen2MoeRMSNorm",
+        "Qwen3MoeRMSNorm",
+        "OlmoeRMSNorm",
+    }
 )
 _GEMMA_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
 # The MLP activations: SiLU (a fused C++ op in bfloat16) or GELU's tanh form, whose
@@ -87,8 +111,8 @@ class _Layer:
     o: LinearMap
     post_norm: torch.Tensor  # the MLP's input norm
     post_eps: float
-    gate_up: LinearMap
-    down: LinearMap
+    gate_up: LinearMap | None  # None where the MLP is a module's own (an MoE block)
+    down: LinearMap | None
     intermediate: int
     scale: float
     sliding_window: int | None
@@ -100,8 +124,12 @@ class _Layer:
     mlp_out_norm: tuple[torch.Tensor, float] | None = None
     # The MLP's activation when it is not SiLU (Gemma: GELU, tanh form): the model's module.
     act: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding.
+    # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding (OLMoE:
+    # over all of q and all of k; the weights' widths say which).
     qk_norms: tuple[torch.Tensor, float, torch.Tensor, float] | None = None
+    # A mixture of experts' block, called as the model calls it: routing and experts are
+    # the model's (or ``QuantizedExperts``), the layer around them the fast path's.
+    moe: nn.Module | None = None
     # Tensor parallelism: the all-reduce (plus bias) after o and after down, when the
     # maps hold a rank's slice (``cbgen.executor.parallel.sharding.RowReduce.apply``).
     o_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -174,8 +202,11 @@ class FastForward:
             qkv = layer.qkv(x)
             if layer.qk_norms is not None:
                 q_weight, q_eps, k_weight, k_eps = layer.qk_norms
-                _norm_heads(qkv[:, :q_width].view(tokens, self._heads, -1), q_weight, q_eps)
-                _norm_heads(qkv[:, q_width : q_width + kv_width].view(kv_shape), k_weight, k_eps)
+                q_parts = self._heads if q_weight.numel() == self._head_dim else 1
+                k_parts = self._kv_heads if k_weight.numel() == self._head_dim else 1
+                _norm_heads(qkv[:, :q_width].view(tokens, q_parts, -1), q_weight, q_eps)
+                k = qkv[:, q_width : q_width + kv_width]
+                _norm_heads(k.view(tokens, k_parts, -1), k_weight, k_eps)
             q = ops.rope_qkv(
                 qkv,
                 cos,
@@ -211,6 +242,10 @@ class FastForward:
             if layer.attn_out_norm is not None:
                 delta = ops.add_rms_norm(delta.float(), None, *layer.attn_out_norm, torch.float32)
             x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps, dtype)
+            if layer.moe is not None:
+                delta = layer.moe(x[None]).view(tokens, -1)
+                continue
+            assert layer.gate_up is not None and layer.down is not None
             gate_up = layer.gate_up(x)
             if layer.act is not None:
                 act = layer.act(gate_up[:, : layer.intermediate])
@@ -334,10 +369,11 @@ def plan_fast_forward(
     )
     by_type = _rotary_takes_layer_type(base.rotary_emb)
 
+    _require(getattr(config, "clip_qkv", None) is None, "q, k and v are clipped (clip_qkv)")
     layers = []
     for layer in base.layers:
         attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
-        qk_norms = _qk_norms(attn, head_dim)
+        qk_norms = _qk_norms(attn, head_dim, q_width, kv_width)
         _require(id(attn) in probe.layer_of_module, "an attention module the probe did not see")
         rope = getattr(attn, "layer_type", None) if by_type else None
         _require(not by_type or isinstance(rope, str), "an attention module has no layer type")
@@ -358,20 +394,30 @@ def plan_fast_forward(
             and _qkv_widths(attn, config) == (heads * head_dim, kv_heads * head_dim),
             "attention heads differ between layers",
         )
-        # Phi-3's MLP calls it activation_fn (and multiplies up by it, the same product).
-        act_fn = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
-        act_name = type(act_fn).__name__
-        _require(act_name in _SILU + _GELU_TANH, f"the MLP's activation is {act_name}")
         _require(
             not layer.training
             or all(m.p == 0 for m in layer.modules() if isinstance(m, nn.Dropout)),
             "a layer has dropout and is in training mode",
         )
-        qkv, gate_up, intermediate = _fused_maps(attn, mlp, packed)
-        o, down = packed.packed_weight(attn.o_proj), packed.packed_weight(mlp.down_proj)
-        _require(
-            None not in (qkv, gate_up, o, down), "a layer's linear maps are not packed and fused"
-        )
+        qkv, o = _qkv_map(attn, packed), packed.packed_weight(attn.o_proj)
+        moe = mlp if _is_moe_block(mlp) else None
+        gate_up: LinearMap | None = None
+        down: LinearMap | None = None
+        intermediate, act_name, act_fn = 0, _SILU[0], None
+        if moe is not None:
+            _require(not sandwich, "an MoE block between sandwich norms")
+            _require(None not in (qkv, o), "a layer's linear maps are not packed and fused")
+        else:
+            # Phi-3's MLP calls it activation_fn (and multiplies up by it, the same product).
+            act_fn = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+            act_name = type(act_fn).__name__
+            _require(act_name in _SILU + _GELU_TANH, f"the MLP's activation is {act_name}")
+            gate_up, intermediate = _gate_up_map(mlp, packed)
+            down = packed.packed_weight(mlp.down_proj)
+            _require(
+                None not in (qkv, gate_up, o, down),
+                "a layer's linear maps are not packed and fused",
+            )
         index = probe.layer_of_module[id(attn)]
         layers.append(
             _Layer(
@@ -382,8 +428,8 @@ def plan_fast_forward(
                 o=o,  # type: ignore[arg-type]
                 post_norm=post_norm,
                 post_eps=post_eps,
-                gate_up=gate_up,  # type: ignore[arg-type]
-                down=down,  # type: ignore[arg-type]
+                gate_up=gate_up,
+                down=down,
                 intermediate=intermediate,
                 scale=float(attn.scaling),
                 sliding_window=probe.layers[index].sliding_window,
@@ -394,7 +440,8 @@ def plan_fast_forward(
                 act=None if act_name in _SILU else act_fn,
                 qk_norms=qk_norms,
                 o_reduce=_row_reduce(attn.o_proj),
-                down_reduce=_row_reduce(mlp.down_proj),
+                down_reduce=None if moe is not None else _row_reduce(mlp.down_proj),
+                moe=moe,
             )
         )
     _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
@@ -425,35 +472,45 @@ def _qkv_widths(attn: nn.Module, config: Any) -> tuple[int, int]:
     return int(attn.q_proj.out_features), int(attn.k_proj.out_features)
 
 
-def _fused_maps(
-    attn: nn.Module, mlp: nn.Module, packed: PackedLinears
-) -> tuple[LinearMap | None, LinearMap | None, int]:
-    """A layer's q/k/v map, gate/up map and the MLP's intermediate width: the packer's fused
-    groups of the separate maps, or the model's own fused maps (Phi-3's ``qkv_proj`` and
-    ``gate_up_proj``, gate first)."""
+def _qkv_map(attn: nn.Module, packed: PackedLinears) -> LinearMap | None:
+    """A layer's q/k/v map: the packer's fused group of the separate maps, or the model's
+    own fused map (Phi-3's ``qkv_proj``)."""
     if hasattr(attn, "qkv_proj"):
-        qkv = packed.packed_weight(attn.qkv_proj)
-    else:
-        qkv = packed.fused_weight((attn.q_proj, attn.k_proj, attn.v_proj))
+        return packed.packed_weight(attn.qkv_proj)
+    return packed.fused_weight((attn.q_proj, attn.k_proj, attn.v_proj))
+
+
+def _gate_up_map(mlp: nn.Module, packed: PackedLinears) -> tuple[LinearMap | None, int]:
+    """A dense MLP's gate/up map and intermediate width: the packer's fused group, or the
+    model's own fused map (Phi-3's ``gate_up_proj``, gate first)."""
     if hasattr(mlp, "gate_up_proj"):
         width = int(mlp.gate_up_proj.out_features)
         _require(width % 2 == 0, "a fused gate/up map of odd width")
-        return qkv, packed.packed_weight(mlp.gate_up_proj), width // 2
-    gate_up = packed.fused_weight((mlp.gate_proj, mlp.up_proj))
-    return qkv, gate_up, int(mlp.gate_proj.out_features)
+        return packed.packed_weight(mlp.gate_up_proj), width // 2
+    return packed.fused_weight((mlp.gate_proj, mlp.up_proj)), int(mlp.gate_proj.out_features)
+
+
+def _is_moe_block(mlp: nn.Module | None) -> bool:
+    """A mixture of experts' block (a router and experts), which the fast path calls
+    whole: transformers 5's Mixtral, Qwen2/3-MoE and OLMoE blocks take ``[batch, tokens,
+    hidden]`` and return the routed sum (Qwen2-MoE's shared expert included)."""
+    return isinstance(getattr(mlp, "experts", None), nn.Module) and hasattr(mlp, "gate")
 
 
 def _qk_norms(
-    attn: nn.Module, head_dim: int
+    attn: nn.Module, head_dim: int, q_width: int, kv_width: int
 ) -> tuple[torch.Tensor, float, torch.Tensor, float] | None:
-    """Qwen3's per-head q and k RMSNorms (weights and epsilons), or None without them."""
+    """The RMSNorms of q and of k (weights and epsilons), or None without them: Qwen3's
+    over each head, OLMoE's over all of q and all of k."""
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if q_norm is None and k_norm is None:
         return None
     q_weight, q_eps = _rms_norm(q_norm)
     k_weight, k_eps = _rms_norm(k_norm)
     _require(
-        q_weight.shape == k_weight.shape == (head_dim,), "q/k norms that are not per-head RMSNorms"
+        q_weight.shape in ((head_dim,), (q_width,))
+        and k_weight.shape in ((head_dim,), (kv_width,)),
+        "q/k norms neither over each head nor over all of q and k",
     )
     return q_weight, q_eps, k_weight, k_eps
 
