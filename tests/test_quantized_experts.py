@@ -246,3 +246,18 @@ def test_quantized_moe_models_take_the_fast_decoder(arch):
     quantize_model(model, "int4")
     errors = fast_path_errors(model, random_prompts(4, 3, 20, seed=6), max_new_tokens=5)
     assert errors and max(errors) < 0.05, errors
+
+
+def test_an_unquantized_load_keeps_the_experts_as_transformers_loads_them(tmp_path):
+    """Without quantization the hook only lets the checkpoint's file pages go once a
+    layer's experts are stacked: the loaded model is transformers' own, tensor for
+    tensor."""
+    import cbgen
+
+    model = _model("mixtral")
+    model.save_pretrained(tmp_path)
+    loaded, _ = cbgen.load_model(str(tmp_path), tokenizer=False)
+    assert not any(isinstance(m, QuantizedExperts) for m in loaded.modules())
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -104,7 +104,9 @@ def load_model(
         )
     if dtype is None:
         dtype = torch.bfloat16 if quantization is not None else torch.float32
-    if quantization is not None and torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu":
+        # An MoE checkpoint's experts are stacked into new tensors as they load: each
+        # layer's are quantized (or, unquantized, its file pages let go) as soon as in.
         from ..executor.cpu.quantized_experts import quantizing_experts_as_loaded
 
         with quantizing_experts_as_loaded(quantization, quantization_group_size):

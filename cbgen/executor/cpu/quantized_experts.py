@@ -356,10 +356,10 @@ def quantize_experts(
 
 
 @contextlib.contextmanager
-def quantizing_experts_as_loaded(mode: str, group_size: int = 32) -> Iterator[None]:
+def quantizing_experts_as_loaded(mode: str | None, group_size: int = 32) -> Iterator[None]:
     """While transformers loads a model in this block, each experts module is quantized
     as soon as its weights are in, and the checkpoint's file pages read so far are let
-    go.
+    go (``mode`` None: only that, the experts stay in the loaded dtype).
 
     transformers stacks a checkpoint's per-expert matrices into new 3D tensors as it
     loads, so a model's experts were all in memory in bfloat16 before quantizing began:
@@ -391,7 +391,7 @@ def quantizing_experts_as_loaded(mode: str, group_size: int = 32) -> Iterator[No
         loading.set_param_for_module = original
 
 
-def _quantize_when_loaded(model: nn.Module, path: str, mode: str, group_size: int) -> None:
+def _quantize_when_loaded(model: nn.Module, path: str, mode: str | None, group_size: int) -> None:
     try:
         module = model.get_submodule(path)
     except AttributeError:
@@ -401,6 +401,9 @@ def _quantize_when_loaded(model: nn.Module, path: str, mode: str, group_size: in
     own = list(module.parameters(recurse=False))
     if any(p.is_meta or p.device.type != "cpu" for p in own):
         return  # not all in yet (or not for the CPU kernels)
+    if mode is None:
+        page_out_files(".safetensors")  # the stacked copies are made; the file pages can go
+        return
     try:
         quantized = QuantizedExperts.from_experts(module, mode, group_size)
     except ValueError:
