@@ -12,15 +12,13 @@ from architectures import build_config
 from conftest import fast_path_errors, random_prompts
 from transformers import AutoModelForCausalLM
 
-from cbgen import SamplingParams, generate_batch
+from cbgen import EngineCore, SamplingParams, generate_batch
 from cbgen.core.weights import load_named_weights
+from cbgen.executor.cpu.kernels import decode_kernel
+from cbgen.executor.cpu.prepack import onednn_packs
 from cbgen.executor.cpu.quantization import QuantizedLinear, dequantize, quantize_model
-from cbgen.executor.cpu.quantized_experts import (
-    QuantizedExperts,
-    experts_parameters,
-    quantizing_experts_as_loaded,
-    route_tokens,
-)
+from cbgen.executor.cpu.quantized_experts import QuantizedExperts, quantizing_experts_as_loaded
+from cbgen.executor.cpu.routed_experts import experts_parameters, route_tokens
 
 # transformers 5's experts modules (3D gate_up_proj / down_proj) with the default gate.
 ROUTED = [
@@ -261,3 +259,34 @@ def test_an_unquantized_load_keeps_the_experts_as_transformers_loads_them(tmp_pa
     want = model.state_dict()
     got = loaded.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.skipif(
+    decode_kernel() is None or onednn_packs(torch.bfloat16),
+    reason="bf16 experts take cbgen's kernels only where oneDNN packs no bfloat16",
+)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_bfloat16_experts_run_cbgens_kernels_while_an_engine_holds_the_model(arch):
+    """On a CPU whose oneDNN packs no bfloat16 (AVX2), an engine routes a bfloat16 MoE
+    model's experts through ``PackedMap`` views of their weights: each layer's output
+    within bfloat16 rounding of the experts module's own forward, the module's own
+    forward back once the engine is closed, and generation runs through them."""
+    model = _model(arch, dtype=torch.bfloat16)
+    experts = _experts(model)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    index, weights = _routing(9, 4, 2, seed=8)
+    weights = weights.to(torch.bfloat16)
+    with torch.no_grad():
+        want = {name: m(x, index, weights).float() for name, m in experts.items()}
+    with EngineCore(model) as engine:
+        assert engine.executor.runner.fast_forward is not None
+        for name, module in experts.items():
+            assert "forward" in module.__dict__, name
+            with torch.no_grad():
+                got = module(x, index, weights).float()
+            error = float((got - want[name]).abs().max() / want[name].abs().max())
+            assert error < 0.03, (name, error)
+    assert not any("forward" in m.__dict__ for m in experts.values())
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    outputs = generate_batch(model, random_prompts(4, 3, 20, seed=9), params)
+    assert [len(o.token_ids) for o in outputs] == [6] * 4
