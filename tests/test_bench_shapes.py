@@ -90,6 +90,42 @@ def test_gguf_holds_the_folders_weights(tmp_path, model_type):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+def test_an_moe_gguf_stacks_each_layers_experts_as_llamacpp_reads_them(tmp_path):
+    """OLMoE (which transformers' GGUF loader does not read): every tensor under
+    llama.cpp's name, each layer's experts stacked ``[E, out, in]``, the same bf16 bits
+    as the folder's, and the expert counts in the metadata."""
+    import gguf as gguf_package
+    from safetensors import safe_open
+
+    fields = {**TINY, "num_key_value_heads": 4, "tie_word_embeddings": False}
+    fields.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    shape = ModelShape("tiny-olmoe", "olmoe", fields, "nobody/tiny")
+    folder = shape_folder(shape, root=tmp_path)
+    reader = gguf_package.GGUFReader(shape_gguf(folder))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def bits(name: str) -> torch.Tensor:
+        return torch.from_numpy(tensors[name].data.copy()).view(torch.bfloat16)
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for layer in range(2):
+            for hf, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+                want = torch.stack(
+                    [
+                        f.get_tensor(f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight")
+                        for e in range(4)
+                    ]
+                )
+                assert torch.equal(bits(f"blk.{layer}.ffn_{ours}_exps.weight"), want)
+            router = f.get_tensor(f"model.layers.{layer}.mlp.gate.weight")
+            assert torch.equal(bits(f"blk.{layer}.ffn_gate_inp.weight"), router)
+            q_norm = f.get_tensor(f"model.layers.{layer}.self_attn.q_norm.weight").float()
+            got = torch.from_numpy(tensors[f"blk.{layer}.attn_q_norm.weight"].data.copy())
+            assert torch.equal(got, q_norm)
+    assert reader.fields["olmoe.expert_count"].contents() == 4
+    assert reader.fields["olmoe.expert_used_count"].contents() == 2
+
+
 def _bench_args(model: str, peers: str = "") -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

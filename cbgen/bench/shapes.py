@@ -194,7 +194,7 @@ def shape_info(folder: Path) -> dict[str, Any] | None:
 
 # -- the same weights as a GGUF, for llama.cpp --------------------------------------------
 
-_ARCHES = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHES = {"llama": "llama", "qwen2": "qwen2", "olmoe": "olmoe"}
 
 
 def shape_gguf(folder: Path) -> Path:
@@ -244,6 +244,13 @@ def _write_gguf(folder: Path, path: Path) -> None:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
+    experts = int(config.get("num_experts") or 0)
+    if experts:  # OLMoE: softmax routing, top-k weights not renormalized
+        if config.get("norm_topk_prob"):
+            raise ValueError("llama.cpp's olmoe does not renormalize the top-k weights")
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     _copy_tokenizer(writer, config["vocab_size"])
 
@@ -253,10 +260,29 @@ def _write_gguf(folder: Path, path: Path) -> None:
             "q_proj": lambda w: _pair_rope(w, heads),
             "k_proj": lambda w: _pair_rope(w, kv_heads),
         }
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        if tensor.dim() == 1:  # norms and biases: llama.cpp wants float32
+            writer.add_tensor(name, tensor.float().numpy())
+        else:
+            bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+            writer.add_tensor(name, bits.view(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+    # A checkpoint holds each expert's matrices apart; llama.cpp one [E, out, in] tensor a
+    # layer and kind (``ffn_gate_exps``...), stacked here once all E are read.
+    pending: dict[str, dict[int, torch.Tensor]] = {}
     files = sorted(folder.glob("*.safetensors"))
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                expert = _expert_key(key)
+                if expert is not None:
+                    name, index = expert
+                    pending.setdefault(name, {})[index] = f.get_tensor(key)
+                    if len(pending[name]) == experts:
+                        parts = pending.pop(name)
+                        add(name, torch.stack([parts[e] for e in range(experts)]))
+                    continue
                 name = _gguf_name(key)
                 if name is None:
                     continue
@@ -264,13 +290,9 @@ def _write_gguf(folder: Path, path: Path) -> None:
                 for proj, fn in permute.items():
                     if f".{proj}.weight" in key:
                         tensor = fn(tensor)
-                if tensor.dim() == 1:  # norms and biases: llama.cpp wants float32
-                    writer.add_tensor(name, tensor.float().numpy())
-                else:
-                    bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-                    writer.add_tensor(
-                        name, bits.view(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16
-                    )
+                add(name, tensor)
+    if pending:
+        raise ValueError(f"experts missing from the checkpoint for {sorted(pending)}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -293,14 +315,34 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # OLMoE's, over all of q
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # an MoE router
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
 
+_EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
+
+
+def _expert_key(key: str) -> tuple[str, int] | None:
+    """``(llama.cpp's stacked tensor, expert index)`` for one expert's matrix in a
+    checkpoint (``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), else None."""
+    parts = key.split(".")
+    if len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3:5] == ["mlp", "experts"]:
+        if parts[6] in _EXPERT_NAMES and parts[7] == "weight":
+            return f"blk.{parts[2]}.{_EXPERT_NAMES[parts[6]]}.weight", int(parts[5])
+    return None
+
+
 def _gguf_name(key: str) -> str | None:
-    """llama.cpp's name for a Hugging Face Llama/Qwen2 tensor (None: not written)."""
+    """llama.cpp's name for a Hugging Face Llama/Qwen2/OLMoE tensor (None: not written)."""
     if key == "model.embed_tokens.weight":
         return "token_embd.weight"
     if key == "model.norm.weight":
