@@ -526,6 +526,43 @@ def test_int4_avx2_kernel_is_the_dequantized_product(rows, blocks, groups, group
 
 
 @needs_kernel
+@settings(max_examples=15, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    blocks=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    group=st.sampled_from([32, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_avx2_grouped_gives_each_span_the_bits_of_its_own_call(
+    counts, blocks, groups, group, seed
+):
+    """``int4_avx2_grouped`` (an MoE layer's experts in one call): each span of rows gets
+    exactly what ``int4_avx2_matmul`` gives it against that span's weights; mismatched
+    counts or weights are refused."""
+    native = decode_kernel()
+    if not native.int4_avx2_available():
+        pytest.skip("not an AVX2-only build: int4 runs int4_bf16_matmul or torch's kernel")
+    total = sum(counts)
+    x = _random_4bit_case(max(total, 1), blocks, groups, group, seed)[0][:total]
+    cases = [_random_4bit_case(1, blocks, groups, group, seed + 1 + i) for i in range(len(counts))]
+    packed, scales = [c[1] for c in cases], [c[2] for c in cases]
+    got = native.int4_avx2_grouped(x, counts, packed, scales)
+    start = 0
+    for count, p, sm in zip(counts, packed, scales, strict=True):
+        if count:
+            want = native.int4_avx2_matmul(x[start : start + count], p, sm)
+            assert torch.equal(got[start : start + count], want)
+        start += count
+    with pytest.raises(RuntimeError, match="add up"):
+        native.int4_avx2_grouped(x, [c + 1 for c in counts], packed, scales)
+    if blocks > 1:
+        other = _random_4bit_case(1, blocks - 1, groups, group, seed)
+        with pytest.raises(RuntimeError, match="one shape"):
+            native.int4_avx2_grouped(x, [total, 0], [packed[0], other[1]], [scales[0], other[2]])
+
+
+@needs_kernel
 @settings(max_examples=20, deadline=None)
 @given(
     batch=st.integers(5, 7),

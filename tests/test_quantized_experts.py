@@ -18,7 +18,7 @@ from cbgen.executor.cpu.kernels import decode_kernel
 from cbgen.executor.cpu.prepack import onednn_packs
 from cbgen.executor.cpu.quantization import QuantizedLinear, dequantize, quantize_model
 from cbgen.executor.cpu.quantized_experts import QuantizedExperts, quantizing_experts_as_loaded
-from cbgen.executor.cpu.routed_experts import experts_parameters, route_tokens
+from cbgen.executor.cpu.routed_experts import experts_parameters, per_expert, route_tokens
 
 # transformers 5's experts modules (3D gate_up_proj / down_proj) with the default gate.
 ROUTED = [
@@ -132,11 +132,21 @@ def test_route_tokens_is_transformers_eager_loop():
 
     with torch.no_grad():
         want = source(x, index, weights)
-        got = route_tokens(x, index, weights, gate_up, down, activate)
+        got = route_tokens(
+            x, index, weights, per_expert(gate_up), per_expert(down), activate, source.num_experts
+        )
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         sentinel = index.clone()
         sentinel[0, 1] = source.num_experts
-        partial = route_tokens(x, sentinel, weights, gate_up, down, activate)
+        partial = route_tokens(
+            x,
+            sentinel,
+            weights,
+            per_expert(gate_up),
+            per_expert(down),
+            activate,
+            source.num_experts,
+        )
     only_first = down[index[0, 0]](activate(gate_up[index[0, 0]](x[:1]))) * weights[0, 0]
     torch.testing.assert_close(partial[0], only_first[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(partial[1:], want[1:])

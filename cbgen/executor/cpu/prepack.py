@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ...sysmem import file_mappings, meminfo_kib, unmodified_file_pages
-from .routed_experts import experts_parameters, route_tokens, routed_form
+from .routed_experts import experts_parameters, per_expert, route_tokens, routed_form
 
 logger = logging.getLogger(__name__)
 
@@ -437,7 +437,13 @@ class PackedLinears:
             hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
         ) -> torch.Tensor:
             return route_tokens(
-                hidden_states, top_k_index, top_k_weights, first, down, form.activate
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                per_expert(first),
+                per_expert(down),
+                form.activate,
+                form.num_experts,
             )
 
         return forward

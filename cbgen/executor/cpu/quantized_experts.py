@@ -17,6 +17,7 @@ with those codes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,11 +26,12 @@ import torch
 from torch import nn
 
 from .prepack import page_out_files
-from .quantization import QuantizedLinear, shape_fits
+from .quantization import Int4Map, QuantizedLinear, shape_fits
 from .routed_experts import (
     RoutedForm,
     experts_parameters,
     map_shape,
+    per_expert,
     route_tokens,
     routed_form,
 )
@@ -115,10 +117,39 @@ class QuantizedExperts(nn.Module):
             hidden_states,
             top_k_index,
             top_k_weights,
-            self.first_maps,  # type: ignore[arg-type]
-            self.down_proj,  # type: ignore[arg-type]
+            functools.partial(_spans_through, self.first_maps),
+            functools.partial(_spans_through, self.down_proj),
             self.activate,
+            self.num_experts,
         )
+
+
+def _spans_through(
+    maps: nn.ModuleList, rows: torch.Tensor, experts: list[int], counts: list[int]
+) -> torch.Tensor:
+    """Spans of rows through their experts' quantized maps: one native call for all of
+    them where each is a plain int4 map on the AVX2 kernel (``int4_avx2_grouped``), else
+    one call a span."""
+    modules: list[QuantizedLinear] = [maps[e] for e in experts]  # type: ignore[misc]
+    kernels = [m.kernel() for m in modules]
+    if rows.dtype is torch.bfloat16 and all(_grouped_int4(m) for m in kernels):
+        first: Any = kernels[0]
+        return first.native.int4_avx2_grouped(  # type: ignore[no-any-return]
+            rows.contiguous(),
+            counts,
+            [m.packed for m in kernels],  # type: ignore[attr-defined]
+            [m.scales_minima for m in kernels],  # type: ignore[attr-defined]
+        )
+    return per_expert(kernels)(rows, list(range(len(kernels))), counts)
+
+
+def _grouped_int4(linear_map: object) -> bool:
+    return (
+        isinstance(linear_map, Int4Map)
+        and linear_map.path == "avx2"
+        and linear_map.bias is None
+        and linear_map.lora is None
+    )
 
 
 def quantize_experts(

@@ -26,6 +26,9 @@ std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor
 bool int4_avx2_available();
 at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
+at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
+                             const std::vector<at::Tensor>& packed,
+                             const std::vector<at::Tensor>& scales_minima);
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
 int64_t int8_rows_limit();
@@ -77,6 +80,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_avx2_matmul", &int4_avx2_matmul,
         "bfloat16 [m, k] x int4_bf16_pack's 4-bit weights, int16 activations per group (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("scales_minima"));
+  m.def("int4_avx2_grouped", &int4_avx2_grouped,
+        "consecutive spans of x's rows (counts), each against its own int4_avx2_matmul "
+        "weights of one shape (an MoE layer's experts), in one call",
+        py::arg("x"), py::arg("counts"), py::arg("packed"), py::arg("scales_minima"));
   m.def("int8_rows_limit", &int8_rows_limit,
         "the most rows to give int8_rows_matmul (0: built without its vector path)");
   m.def("int8_rows_matmul", &int8_rows_matmul,

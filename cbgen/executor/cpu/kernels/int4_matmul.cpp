@@ -647,18 +647,49 @@ void int4_avx2_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_group
 
 }  // namespace
 
+at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
+                             const std::vector<at::Tensor>& packed,
+                             const std::vector<at::Tensor>& scales_minima);
+
 // x: bfloat16 [m, k]; packed, scales_minima: int4_bf16_pack's; returns bfloat16 [m, n].
 at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
+  return int4_avx2_grouped(x, {x.size(0)}, {packed}, {scales_minima});
+}
+
+// Consecutive spans of x's rows (counts[i] rows each), span i against its own weights
+// (packed[i], scales_minima[i]; all of one shape): an MoE layer's experts, each through
+// its tokens, in one call instead of one a span from Python. Each row is rounded to
+// int16 once, as int4_avx2_matmul rounds it, so every span's rows get the bits that
+// call would give them. Returns bfloat16 [m, n].
+at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
+                             const std::vector<at::Tensor>& packed,
+                             const std::vector<at::Tensor>& scales_minima) {
   TORCH_CHECK(CBGEN_INT4_AVX2, "int4_avx2_matmul: built without AVX2 and FMA, or with AVX-512 "
               "(int4_bf16_matmul serves there)");
-  [[maybe_unused]] const int64_t group =
-      check_4bit_inputs("int4_avx2_matmul", x, packed, {8, 32}, scales_minima);
-  auto out = at::empty({x.size(0), packed.size(0) * kBlock}, x.options());
+  TORCH_CHECK(!packed.empty() && counts.size() == packed.size() &&
+                  scales_minima.size() == packed.size(),
+              "int4_avx2_grouped: one count, packed and scales_minima a span");
+  int64_t total = 0;
+  for (int64_t count : counts) {
+    TORCH_CHECK(count >= 0, "int4_avx2_grouped: a negative count");
+    total += count;
+  }
+  TORCH_CHECK(total == x.size(0), "int4_avx2_grouped: the counts do not add up to x's rows");
+  const int64_t group =
+      check_4bit_inputs("int4_avx2_matmul", x, packed[0], {8, 32}, scales_minima[0]);
+  for (size_t i = 1; i < packed.size(); ++i) {
+    TORCH_CHECK(packed[i].sizes() == packed[0].sizes() &&
+                    scales_minima[i].sizes() == scales_minima[0].sizes(),
+                "int4_avx2_grouped: every span's weights must be of one shape");
+    check_4bit_inputs("int4_avx2_matmul", x, packed[i], {8, 32}, scales_minima[i]);
+  }
+  auto out = at::empty({x.size(0), packed[0].size(0) * kBlock}, x.options());
 #if CBGEN_INT4_AVX2
   const int64_t m = x.size(0), k = x.size(1);
-  const int64_t blocks = packed.size(0), groups = packed.size(1);
-  const int64_t scale_groups = scales_minima.size(1), per = group / kGroup;
+  const int64_t blocks = packed[0].size(0), groups = packed[0].size(1);
+  const int64_t scale_groups = scales_minima[0].size(1), per = group / kGroup;
+  const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<int16_t> xq(m * k);
@@ -670,22 +701,32 @@ at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
       group_sums(xp + row * k, k, group, sums.data() + row * scale_groups);
     }
   });
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
-  at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  for_each_block<4>(m, blocks, groups, scale_groups, w, sm, y,
-                    [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
-                        float* acc) {
-                      const int16_t* xr = xq.data() + row * k;
-                      const float* st = steps.data() + row * scale_groups;
-                      const float* su = sums.data() + row * scale_groups;
-                      switch (rows) {
-                        case 1: int4_avx2_block<1>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                        case 2: int4_avx2_block<2>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                        case 3: int4_avx2_block<3>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                        default: int4_avx2_block<4>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                      }
-                    });
+  int64_t start = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const int64_t rows_here = counts[i];
+    if (rows_here == 0) continue;
+    const uint8_t* w = packed[i].data_ptr<uint8_t>();
+    const uint16_t* sm =
+        reinterpret_cast<const uint16_t*>(scales_minima[i].data_ptr<at::BFloat16>());
+    at::BFloat16* y = out.data_ptr<at::BFloat16>() + start * n;
+    const int16_t* xs = xq.data() + start * k;
+    const float* ss = steps.data() + start * scale_groups;
+    const float* us = sums.data() + start * scale_groups;
+    for_each_block<4>(rows_here, blocks, groups, scale_groups, w, sm, y,
+                      [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
+                          float* acc) {
+                        const int16_t* xr = xs + row * k;
+                        const float* st = ss + row * scale_groups;
+                        const float* su = us + row * scale_groups;
+                        switch (rows) {
+                          case 1: int4_avx2_block<1>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+                          case 2: int4_avx2_block<2>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+                          case 3: int4_avx2_block<3>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+                          default: int4_avx2_block<4>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+                        }
+                      });
+    start += rows_here;
+  }
 #endif
   return out;
 }
