@@ -463,7 +463,7 @@ def test_adapters_on_reduced_precision_bases(mode):
     """The adapter's delta lands on the bfloat16 and quantized paths (the fast decoder):
     its logprobs are as far from the float32 peft model's as the base's own rounding
     moves the base, and far from the base's."""
-    from cbgen.executor.cpu.quantization import quantize_model
+    from cbgen.executor.cpu.model_quantization import quantize_model
 
     base = make_tiny_model("llama")
     adapter = make_adapter(base, 5, r=8, lora_alpha=16, target_modules="all-linear")

@@ -17,6 +17,7 @@ from torch import nn
 
 from cbgen import EngineConfig, SamplingParams, generate_batch
 from cbgen.executor.cpu.kernels import decode_kernel
+from cbgen.executor.cpu.model_quantization import quantize_model
 from cbgen.executor.cpu.prepack import PackedLinears
 from cbgen.executor.cpu.quantization import (
     Int4Map,
@@ -24,7 +25,6 @@ from cbgen.executor.cpu.quantization import (
     dequantize,
     quantize_int4,
     quantize_int8,
-    quantize_model,
     validate_mode,
 )
 

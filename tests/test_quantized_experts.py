@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 from cbgen import EngineCore, SamplingParams, generate_batch
 from cbgen.core.weights import load_named_weights
 from cbgen.executor.cpu.kernels import decode_kernel
+from cbgen.executor.cpu.model_quantization import quantize_model
 from cbgen.executor.cpu.prepack import onednn_packs
-from cbgen.executor.cpu.quantization import QuantizedLinear, dequantize, quantize_model
+from cbgen.executor.cpu.quantization import QuantizedLinear, dequantize
 from cbgen.executor.cpu.quantized_experts import QuantizedExperts, quantizing_experts_as_loaded
 from cbgen.executor.cpu.routed_experts import experts_parameters, per_expert, route_tokens
 

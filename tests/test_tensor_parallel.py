@@ -84,7 +84,7 @@ def test_a_model_without_a_tp_plan_is_refused_by_name():
 
 
 def test_a_quantized_model_is_refused_with_its_reason():
-    from cbgen.executor.cpu.quantization import quantize_model
+    from cbgen.executor.cpu.model_quantization import quantize_model
 
     model = make_tiny_model("llama").to(torch.bfloat16)
     quantize_model(model, "int4")

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 from cbgen import Engine, EngineConfig, EngineCore, SamplingParams, SpeculativeConfig
-from cbgen.executor.cpu.quantization import quantize_model
+from cbgen.executor.cpu.model_quantization import quantize_model
 
 MAX_NEW = 12
 CONFIG = dict(block_size=4, num_blocks=96, max_batch_tokens=64)

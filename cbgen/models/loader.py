@@ -91,7 +91,8 @@ def load_model(
     120 MB of the process's resident set for SmolLM2, which glibc does not hand
     back to the OS when the tokenizer is dropped.
     """
-    from ..executor.cpu.quantization import FOUR_BIT_MODES, quantize_model, validate_mode
+    from ..executor.cpu.model_quantization import quantize_model
+    from ..executor.cpu.quantization import FOUR_BIT_MODES, validate_mode
 
     validate_mode(quantization)
     validate_mode(lm_head_quantization, "lm_head_quantization")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -168,17 +167,17 @@ def routed_form(experts: nn.Module) -> RoutedForm:
     act_fn = getattr(experts, "act_fn", None)
     if not isinstance(act_fn, nn.Module):
         raise ValueError(f"{type(experts).__name__} has no activation module (act_fn)")
-    transposed = bool(getattr(experts, "is_transposed", False))
-    _check_routing(experts, first_name, transposed, act_fn)
-    return RoutedForm(
+    form = RoutedForm(
         first_name,
         _weight(experts, first_name),
         _weight(experts, "down_proj"),
         _parameter(experts, f"{first_name}_bias"),
         _parameter(experts, "down_proj_bias"),
         act_fn,
-        transposed,
+        bool(getattr(experts, "is_transposed", False)),
     )
+    _check_routing(experts, form)
+    return form
 
 
 def map_shape(weight: torch.Tensor, transposed: bool) -> tuple[int, int]:
@@ -215,38 +214,27 @@ def _expert_weight(weight: torch.Tensor, expert: int, transposed: bool) -> torch
     return one.t() if transposed else one
 
 
-def _check_routing(
-    experts: nn.Module, first_name: str, transposed: bool, act_fn: nn.Module
-) -> None:
+def _check_routing(experts: nn.Module, form: RoutedForm) -> None:
     """Refuse (ValueError) an experts module whose own forward, on a few tokens routed at
     random, differs from ``route_tokens`` over its own float weights."""
-    first_weight, down_weight = _weight(experts, first_name), _weight(experts, "down_proj")
-    first_bias = _parameter(experts, f"{first_name}_bias")
-    down_bias = _parameter(experts, "down_proj_bias")
-    num_experts, hidden = first_weight.shape[0], map_shape(first_weight, transposed)[1]
+    num_experts = form.num_experts
+    hidden = map_shape(form.first_weight, form.transposed)[1]
     generator = torch.Generator().manual_seed(0)
     tokens, k = 5, min(2, num_experts)
-    dtype = first_weight.dtype
+    dtype = form.first_weight.dtype
     x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     index = torch.stack(
         [torch.randperm(num_experts, generator=generator)[:k] for _ in range(tokens)]
     )
     weights = torch.softmax(torch.randn(tokens, k, generator=generator), dim=-1).to(dtype)
 
-    def maps(weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
-        return [
-            functools.partial(
-                _float_map,
-                weight=_expert_weight(weight, e, transposed),
-                bias=None if bias is None else bias[e],
-            )
-            for e in range(num_experts)
-        ]
-
-    gated = first_name == "gate_up_proj"
-
-    def activate(rows: torch.Tensor) -> torch.Tensor:
-        return _gated(act_fn, rows) if gated else act_fn(rows)
+    def maps(weight: torch.Tensor, bias: torch.Tensor | None) -> SpanMaps:
+        return per_expert(
+            [
+                functools.partial(F.linear, weight=one, bias=None if bias is None else bias[e])
+                for e, one in enumerate(form.expert_weights(weight))
+            ]
+        )
 
     try:
         with torch.no_grad():
@@ -255,9 +243,9 @@ def _check_routing(
                 x,
                 index,
                 weights,
-                per_expert(maps(first_weight, first_bias)),
-                per_expert(maps(down_weight, down_bias)),
-                activate,
+                maps(form.first_weight, form.first_bias),
+                maps(form.down_weight, form.down_bias),
+                form.activate,
                 num_experts,
             )
     except Exception as failure:  # the module's forward takes other arguments, or shapes
@@ -273,7 +261,3 @@ def _check_routing(
             f"{type(experts).__name__} computes something else than plain routed experts "
             f"(relative difference {error:.2g}): a custom gate or a norm after each expert"
         )
-
-
-def _float_map(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
