@@ -554,12 +554,39 @@ def test_int4_avx2_grouped_gives_each_span_the_bits_of_its_own_call(
             want = native.int4_avx2_matmul(x[start : start + count], p, sm)
             assert torch.equal(got[start : start + count], want)
         start += count
+    assert torch.equal(native.int4_grouped(x, counts, packed, scales, "avx2"), got)
     with pytest.raises(RuntimeError, match="add up"):
         native.int4_avx2_grouped(x, [c + 1 for c in counts], packed, scales)
     if blocks > 1:
         other = _random_4bit_case(1, blocks - 1, groups, group, seed)
         with pytest.raises(RuntimeError, match="one shape"):
             native.int4_avx2_grouped(x, [total, 0], [packed[0], other[1]], [scales[0], other[2]])
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["vnni", "bf16"])
+def test_int4_grouped_runs_each_span_on_the_paths_own_kernel(path):
+    """``int4_grouped`` on the kernels without a grouped kernel of their own (w4a8's
+    ``int4_vnni_matmul``; ``int4_bf16_matmul`` on AVX512-BF16): each span's rows get
+    what a call of that kernel gives them; an unknown path is refused."""
+    native = decode_kernel()
+    available = native.int4_vnni_available() if path == "vnni" else native.int4_bf16_available()
+    if not available:
+        pytest.skip(f"this build has no {path} 4-bit kernel")
+    pack = native.int4_vnni_pack if path == "vnni" else native.int4_bf16_pack
+    matmul = native.int4_vnni_matmul if path == "vnni" else native.int4_bf16_matmul
+    counts = [3, 0, 1, 5]
+    x = _random_4bit_inputs(sum(counts), 2, 2, 32, seed=11)[0].to(torch.bfloat16)
+    weights = [pack(*_random_4bit_inputs(1, 2, 2, 32, seed=12 + i)[1:]) for i in range(4)]
+    packed, scales = [w[0] for w in weights], [w[1] for w in weights]
+    got = native.int4_grouped(x, counts, packed, scales, path)
+    start = 0
+    for count, p, sm in zip(counts, packed, scales, strict=True):
+        if count:
+            assert torch.equal(got[start : start + count], matmul(x[start : start + count], p, sm))
+        start += count
+    with pytest.raises(RuntimeError, match="no kernel path"):
+        native.int4_grouped(x, counts, packed, scales, "torch")
 
 
 @needs_kernel

@@ -301,3 +301,22 @@ def test_bfloat16_experts_run_cbgens_kernels_while_an_engine_holds_the_model(arc
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     outputs = generate_batch(model, random_prompts(4, 3, 20, seed=9), params)
     assert [len(o.token_ids) for o in outputs] == [6] * 4
+
+
+@pytest.mark.parametrize("mode", ["int4", "w4a8", "int8"])
+def test_one_native_call_for_a_layers_experts_gives_the_bits_of_a_call_each(mode):
+    """Where a layer's expert maps run on one of cbgen's 4-bit kernels, their spans go to
+    the kernel in one call (``int4_grouped``): the same bits as calling each expert's map
+    on its own rows; int8 maps take a call each."""
+    model = _model("olmoe", dtype=torch.bfloat16)
+    quantize_model(model, mode)
+    module = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    index, weights = _routing(7, module.num_experts, 2, seed=4)
+    weights = weights.to(torch.bfloat16)
+    first = per_expert([m.kernel() for m in module.first_maps])
+    down = per_expert([m.kernel() for m in module.down_proj])
+    with torch.no_grad():
+        got = module(x, index, weights)
+        want = route_tokens(x, index, weights, first, down, module.activate, module.num_experts)
+    assert torch.equal(got, want)

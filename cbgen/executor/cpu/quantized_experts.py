@@ -128,28 +128,34 @@ def _spans_through(
     maps: nn.ModuleList, rows: torch.Tensor, experts: list[int], counts: list[int]
 ) -> torch.Tensor:
     """Spans of rows through their experts' quantized maps: one native call for all of
-    them where each is a plain int4 map on the AVX2 kernel (``int4_avx2_grouped``), else
-    one call a span."""
+    them where each is a plain map on one of cbgen's 4-bit kernels (``int4_grouped``),
+    else one call a span."""
     modules: list[QuantizedLinear] = [maps[e] for e in experts]  # type: ignore[misc]
     kernels = [m.kernel() for m in modules]
-    if rows.dtype is torch.bfloat16 and all(_grouped_int4(m) for m in kernels):
-        first: Any = kernels[0]
-        return first.native.int4_avx2_grouped(  # type: ignore[no-any-return]
+    first: Any = kernels[0]
+    if rows.dtype is torch.bfloat16 and all(_grouped_int4(m, first) for m in kernels):
+        return first.native.int4_grouped(  # type: ignore[no-any-return]
             rows.contiguous(),
             counts,
             [m.packed for m in kernels],  # type: ignore[attr-defined]
             [m.scales_minima for m in kernels],  # type: ignore[attr-defined]
+            first.path,
         )
     return per_expert(kernels)(rows, list(range(len(kernels))), counts)
 
 
-def _grouped_int4(linear_map: object) -> bool:
+def _grouped_int4(linear_map: object, first: Any) -> bool:
+    """A plain map on the same native 4-bit kernel as ``first``."""
     return (
         isinstance(linear_map, Int4Map)
-        and linear_map.path == "avx2"
+        and linear_map.path in _GROUPED_PATHS
+        and linear_map.path == first.path
         and linear_map.bias is None
         and linear_map.lora is None
     )
+
+
+_GROUPED_PATHS = ("avx2", "bf16", "vnni")  # int4_grouped's; "torch" is torch's kernel
 
 
 def quantize_experts(

@@ -29,6 +29,9 @@ at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
                              const std::vector<at::Tensor>& packed,
                              const std::vector<at::Tensor>& scales_minima);
+at::Tensor int4_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
+                        const std::vector<at::Tensor>& packed,
+                        const std::vector<at::Tensor>& scales_minima, const std::string& path);
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
 int64_t int8_rows_limit();
@@ -84,6 +87,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "consecutive spans of x's rows (counts), each against its own int4_avx2_matmul "
         "weights of one shape (an MoE layer's experts), in one call",
         py::arg("x"), py::arg("counts"), py::arg("packed"), py::arg("scales_minima"));
+  m.def("int4_grouped", &int4_grouped,
+        "int4_avx2_grouped on any 4-bit kernel path (avx2, bf16, vnni): a span a call "
+        "inside the extension where the path has no grouped kernel of its own",
+        py::arg("x"), py::arg("counts"), py::arg("packed"), py::arg("scales_minima"),
+        py::arg("path"));
   m.def("int8_rows_limit", &int8_rows_limit,
         "the most rows to give int8_rows_matmul (0: built without its vector path)");
   m.def("int8_rows_matmul", &int8_rows_matmul,

@@ -730,3 +730,42 @@ at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& co
 #endif
   return out;
 }
+
+// Spans of x's rows against their own 4-bit weights in one call, on the kernel of
+// ``path`` (Int4Map.path): AVX2's int4 rounds every row once (int4_avx2_grouped); the
+// other kernels run a call a span from here, which spares the caller's Python a call a
+// span (an MoE layer's experts: one call for all its hit experts' maps).
+at::Tensor int4_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
+                        const std::vector<at::Tensor>& packed,
+                        const std::vector<at::Tensor>& scales_minima, const std::string& path) {
+  if (path == "avx2") return int4_avx2_grouped(x, counts, packed, scales_minima);
+  at::Tensor (*matmul)(const at::Tensor&, const at::Tensor&, const at::Tensor&) = nullptr;
+  if (path == "bf16") matmul = &int4_bf16_matmul;
+  if (path == "vnni") matmul = &int4_vnni_matmul;
+  TORCH_CHECK(matmul != nullptr, "int4_grouped: no kernel path ", path);
+  TORCH_CHECK(!packed.empty() && counts.size() == packed.size() &&
+                  scales_minima.size() == packed.size(),
+              "int4_grouped: one count, packed and scales_minima a span");
+  int64_t total = 0;
+  for (int64_t count : counts) {
+    TORCH_CHECK(count >= 0, "int4_grouped: a negative count");
+    total += count;
+  }
+  TORCH_CHECK(x.dim() == 2 && total == x.size(0),
+              "int4_grouped: the counts do not add up to x's rows");
+  for (size_t i = 1; i < packed.size(); ++i) {
+    TORCH_CHECK(packed[i].sizes() == packed[0].sizes() &&
+                    scales_minima[i].sizes() == scales_minima[0].sizes(),
+                "int4_grouped: every span's weights must be of one shape");
+  }
+  auto out = at::empty({x.size(0), packed[0].size(0) * kBlock}, x.options());
+  int64_t start = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    if (counts[i] > 0) {
+      out.narrow(0, start, counts[i])
+          .copy_(matmul(x.narrow(0, start, counts[i]), packed[i], scales_minima[i]));
+    }
+    start += counts[i];
+  }
+  return out;
+}
