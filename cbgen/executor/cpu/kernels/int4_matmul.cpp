@@ -651,6 +651,31 @@ at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& co
                              const std::vector<at::Tensor>& packed,
                              const std::vector<at::Tensor>& scales_minima);
 
+namespace {
+
+// The grouped calls' spans: a count, weights and scales each, the counts adding up to
+// x's rows, every span's weights of one shape (and each its kernel's, checked there).
+void check_spans(const char* name, const at::Tensor& x, const std::vector<int64_t>& counts,
+                 const std::vector<at::Tensor>& packed,
+                 const std::vector<at::Tensor>& scales_minima) {
+  TORCH_CHECK(!packed.empty() && counts.size() == packed.size() &&
+                  scales_minima.size() == packed.size(),
+              name, ": one count, packed and scales_minima a span");
+  int64_t total = 0;
+  for (int64_t count : counts) {
+    TORCH_CHECK(count >= 0, name, ": a negative count");
+    total += count;
+  }
+  TORCH_CHECK(x.dim() == 2 && total == x.size(0), name, ": the counts do not add up to x's rows");
+  for (size_t i = 1; i < packed.size(); ++i) {
+    TORCH_CHECK(packed[i].sizes() == packed[0].sizes() &&
+                    scales_minima[i].sizes() == scales_minima[0].sizes(),
+                name, ": every span's weights must be of one shape");
+  }
+}
+
+}  // namespace
+
 // x: bfloat16 [m, k]; packed, scales_minima: int4_bf16_pack's; returns bfloat16 [m, n].
 at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
@@ -667,23 +692,11 @@ at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& co
                              const std::vector<at::Tensor>& scales_minima) {
   TORCH_CHECK(CBGEN_INT4_AVX2, "int4_avx2_matmul: built without AVX2 and FMA, or with AVX-512 "
               "(int4_bf16_matmul serves there)");
-  TORCH_CHECK(!packed.empty() && counts.size() == packed.size() &&
-                  scales_minima.size() == packed.size(),
-              "int4_avx2_grouped: one count, packed and scales_minima a span");
-  int64_t total = 0;
-  for (int64_t count : counts) {
-    TORCH_CHECK(count >= 0, "int4_avx2_grouped: a negative count");
-    total += count;
-  }
-  TORCH_CHECK(total == x.size(0), "int4_avx2_grouped: the counts do not add up to x's rows");
+  check_spans("int4_avx2_grouped", x, counts, packed, scales_minima);
   const int64_t group =
       check_4bit_inputs("int4_avx2_matmul", x, packed[0], {8, 32}, scales_minima[0]);
-  for (size_t i = 1; i < packed.size(); ++i) {
-    TORCH_CHECK(packed[i].sizes() == packed[0].sizes() &&
-                    scales_minima[i].sizes() == scales_minima[0].sizes(),
-                "int4_avx2_grouped: every span's weights must be of one shape");
+  for (size_t i = 1; i < packed.size(); ++i)  // dtypes and layouts, each span's own
     check_4bit_inputs("int4_avx2_matmul", x, packed[i], {8, 32}, scales_minima[i]);
-  }
   auto out = at::empty({x.size(0), packed[0].size(0) * kBlock}, x.options());
 #if CBGEN_INT4_AVX2
   const int64_t m = x.size(0), k = x.size(1);
@@ -743,21 +756,7 @@ at::Tensor int4_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
   if (path == "bf16") matmul = &int4_bf16_matmul;
   if (path == "vnni") matmul = &int4_vnni_matmul;
   TORCH_CHECK(matmul != nullptr, "int4_grouped: no kernel path ", path);
-  TORCH_CHECK(!packed.empty() && counts.size() == packed.size() &&
-                  scales_minima.size() == packed.size(),
-              "int4_grouped: one count, packed and scales_minima a span");
-  int64_t total = 0;
-  for (int64_t count : counts) {
-    TORCH_CHECK(count >= 0, "int4_grouped: a negative count");
-    total += count;
-  }
-  TORCH_CHECK(x.dim() == 2 && total == x.size(0),
-              "int4_grouped: the counts do not add up to x's rows");
-  for (size_t i = 1; i < packed.size(); ++i) {
-    TORCH_CHECK(packed[i].sizes() == packed[0].sizes() &&
-                    scales_minima[i].sizes() == scales_minima[0].sizes(),
-                "int4_grouped: every span's weights must be of one shape");
-  }
+  check_spans("int4_grouped", x, counts, packed, scales_minima);
   auto out = at::empty({x.size(0), packed[0].size(0) * kBlock}, x.options());
   int64_t start = 0;
   for (size_t i = 0; i < packed.size(); ++i) {
