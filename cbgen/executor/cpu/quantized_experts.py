@@ -52,15 +52,18 @@ class QuantizedExperts(nn.Module):
         self, form: RoutedForm, first: list[QuantizedLinear], down: list[QuantizedLinear]
     ) -> None:
         super().__init__()
-        self.first_name = form.first_name
         self.num_experts = len(first)
-        self.transposed = form.transposed  # the source's 3D weights were [E, in, out]
-        self._form = form.without_weights()
+        self._form = form.without_weights()  # names, layout and activation
         setattr(self, form.first_name, nn.ModuleList(first))
         self.down_proj = nn.ModuleList(down)
         self.act_fn = form.act_fn
 
     down_proj: nn.ModuleList
+
+    @property
+    def first_name(self) -> str:
+        """``"gate_up_proj"`` (gated experts) or ``"up_proj"``, as the source named it."""
+        return self._form.first_name
 
     @property
     def first_maps(self) -> nn.ModuleList:
