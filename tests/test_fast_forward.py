@@ -14,7 +14,7 @@ from conftest import (
 )
 
 from cbgen import EngineConfig, EngineCore, SamplingParams
-from cbgen.executor.cpu.fast_forward import DISABLE_ENV
+from cbgen.executor.cpu.fast_forward import DISABLE_ENV, _norm_heads
 from cbgen.executor.cpu.kernels import decode_kernel
 
 pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="native kernels not built")
@@ -63,6 +63,25 @@ def test_bfloat16_step_logits_are_close_to_the_bfloat16_model_forward(arch):
     model = make_tiny_model(arch).to(torch.bfloat16)
     errors = fast_path_errors(model, random_prompts(5, 3, 30, seed=1))
     assert errors and max(errors) < 0.05, errors
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_bfloat16_qk_norms_are_the_modules_formula_rounded_once(parts):
+    """In bfloat16 the q/k norms (Qwen3's over each head, OLMoE's over all of q) are one
+    ``add_rms_norm`` call on the fused q/k/v output, in place: ``weight * (x / rms(x))``
+    in float32, rounded once, as the torch formula computes it (within one bfloat16
+    rounding: the variance is summed in another order), and the rest of the row kept."""
+    generator = torch.Generator().manual_seed(0)
+    qkv = (3 * torch.randn(5, 96, generator=generator)).to(torch.bfloat16)
+    weight = torch.rand(64 // parts, generator=generator).to(torch.bfloat16) + 0.5
+    before = qkv.clone()
+    q = qkv[:, :64].view(5, parts, -1)
+    wide = q.float()
+    want = weight.float() * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6))
+    _norm_heads(q, weight, 1e-6, decode_kernel())
+    torch.testing.assert_close(q.float(), want, rtol=2**-7, atol=0)
+    assert not torch.equal(qkv[:, :64], before[:, :64])
+    assert torch.equal(qkv[:, 64:], before[:, 64:])
 
 
 def test_outputs_equal_with_and_without_the_fast_path(monkeypatch):

@@ -56,6 +56,7 @@ from torch import nn
 from ..metadata import ProbeRecord
 from ..parallel.sharding import REDUCE_HOOK_ATTR
 from .embedding_rows import file_rows
+from .moe_block import MoeCall, moe_call
 from .prepack import LinearMap, PackedLinears
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "gemma",
         "gemma2",
         "gemma3_text",
-        # Mixtures of experts: their MoE blocks run as the model's own modules.
+        # Mixtures of experts: their MoE blocks run as the model's own modules, or with
+        # 4-bit experts as the model's router and one native call (``moe_block``).
         "mixtral",
         "qwen2_moe",
         "qwen3_moe",
@@ -127,9 +129,10 @@ class _Layer:
     # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding (OLMoE:
     # over all of q and all of k; the weights' widths say which).
     qk_norms: tuple[torch.Tensor, float, torch.Tensor, float] | None = None
-    # A mixture of experts' block, called as the model calls it: routing and experts are
-    # the model's (or ``QuantizedExperts``), the layer around them the fast path's.
-    moe: nn.Module | None = None
+    # A mixture of experts' block (``moe_block.moe_call``): the model's router and experts,
+    # called whole or with 4-bit experts in one native call; the layer around it the fast
+    # path's.
+    moe: MoeCall | None = None
     # Tensor parallelism: the all-reduce (plus bias) after o and after down, when the
     # maps hold a rank's slice (``cbgen.executor.parallel.sharding.RowReduce.apply``).
     o_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -204,9 +207,9 @@ class FastForward:
                 q_weight, q_eps, k_weight, k_eps = layer.qk_norms
                 q_parts = self._heads if q_weight.numel() == self._head_dim else 1
                 k_parts = self._kv_heads if k_weight.numel() == self._head_dim else 1
-                _norm_heads(qkv[:, :q_width].view(tokens, q_parts, -1), q_weight, q_eps)
+                _norm_heads(qkv[:, :q_width].view(tokens, q_parts, -1), q_weight, q_eps, ops)
                 k = qkv[:, q_width : q_width + kv_width]
-                _norm_heads(k.view(tokens, k_parts, -1), k_weight, k_eps)
+                _norm_heads(k.view(tokens, k_parts, -1), k_weight, k_eps, ops)
             q = ops.rope_qkv(
                 qkv,
                 cos,
@@ -243,7 +246,7 @@ class FastForward:
                 delta = ops.add_rms_norm(delta.float(), None, *layer.attn_out_norm, torch.float32)
             x = ops.add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps, dtype)
             if layer.moe is not None:
-                delta = layer.moe(x[None]).view(tokens, -1)
+                delta = layer.moe(x)
                 continue
             assert layer.gate_up is not None and layer.down is not None
             gate_up = layer.gate_up(x)
@@ -441,7 +444,7 @@ def plan_fast_forward(
                 qk_norms=qk_norms,
                 o_reduce=_row_reduce(attn.o_proj),
                 down_reduce=None if moe is not None else _row_reduce(mlp.down_proj),
-                moe=moe,
+                moe=None if moe is None else moe_call(moe),
             )
         )
     _require(len(layers) == len(probe.layers), "the probe saw other attention layers")
@@ -515,15 +518,15 @@ def _qk_norms(
     return q_weight, q_eps, k_weight, k_eps
 
 
-def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def _norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: Any) -> None:
     """transformers' RMSNorm over the last dimension of ``x`` ``[tokens, heads, head_dim]``
-    (a view into the fused q/k/v output), written in place, operation by operation as the
-    module computes it so the result is the same to the bit (bfloat16: in float32, rounded
-    once at the end)."""
+    (a view into the fused q/k/v output), written in place. float32: operation by
+    operation as the module computes it, so the result is the same to the bit. bfloat16:
+    in float32 and rounded once at the end, by one ``add_rms_norm`` call (they were seven
+    torch calls each, twice a layer)."""
     if x.dtype != torch.float32:
-        wide = x.float()
-        variance = wide.pow(2).mean(-1, keepdim=True)
-        x.copy_(weight.float() * (wide * torch.rsqrt(variance + eps)))
+        rows = x.float().reshape(-1, x.shape[-1])
+        x.copy_(ops.add_rms_norm(rows, None, weight, eps, x.dtype).view_as(x))
         return
     variance = x.pow(2).mean(-1, keepdim=True)
     x.copy_(weight * (x * torch.rsqrt(variance + eps)))

@@ -136,7 +136,7 @@ def _spans_through(
     modules: list[QuantizedLinear] = [maps[e] for e in experts]  # type: ignore[misc]
     kernels = [m.kernel() for m in modules]
     first: Any = kernels[0]
-    if rows.dtype is torch.bfloat16 and all(_grouped_int4(m, first) for m in kernels):
+    if rows.dtype is torch.bfloat16 and all(grouped_int4(m, first) for m in kernels):
         return first.native.int4_grouped(  # type: ignore[no-any-return]
             rows.contiguous(),
             counts,
@@ -147,8 +147,9 @@ def _spans_through(
     return per_expert(kernels)(rows, list(range(len(kernels))), counts)
 
 
-def _grouped_int4(linear_map: object, first: Any) -> bool:
-    """A plain map on the same native 4-bit kernel as ``first``."""
+def grouped_int4(linear_map: object, first: Any) -> bool:
+    """A plain map on the same native 4-bit kernel as ``first`` (``int4_grouped`` takes
+    them in one call)."""
     return (
         isinstance(linear_map, Int4Map)
         and linear_map.path in _GROUPED_PATHS

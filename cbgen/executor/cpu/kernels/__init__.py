@@ -39,6 +39,7 @@ SOURCES = (
     "layer_ops.cpp",
     "argmax.cpp",
     "int4_matmul.cpp",
+    "routed_experts.cpp",
     "int8_matmul.cpp",
     "bf16_matmul.cpp",
     "quantize.cpp",

@@ -34,6 +34,13 @@ at::Tensor int4_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
                         const std::vector<at::Tensor>& scales_minima, const std::string& path);
 at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima);
+at::Tensor routed_int4_experts(const at::Tensor& x, const at::Tensor& index,
+                               const at::Tensor& weights,
+                               const std::vector<at::Tensor>& first_packed,
+                               const std::vector<at::Tensor>& first_scales_minima,
+                               const std::vector<at::Tensor>& down_packed,
+                               const std::vector<at::Tensor>& down_scales_minima,
+                               const std::string& path, int64_t intermediate);
 int64_t int8_rows_limit();
 bool bf16_rows_available();
 at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
@@ -92,6 +99,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "inside the extension where the path has no grouped kernel of its own",
         py::arg("x"), py::arg("counts"), py::arg("packed"), py::arg("scales_minima"),
         py::arg("path"));
+  m.def("routed_int4_experts", &routed_int4_experts,
+        "an MoE layer's routed experts (4-bit gate/up and down maps, SiLU-gated) in one call: "
+        "each token through its experts, weighted and summed in float32",
+        py::arg("x"), py::arg("index"), py::arg("weights"), py::arg("first_packed"),
+        py::arg("first_scales_minima"), py::arg("down_packed"), py::arg("down_scales_minima"),
+        py::arg("path"), py::arg("intermediate"));
   m.def("int8_rows_limit", &int8_rows_limit,
         "the most rows to give int8_rows_matmul (0: built without its vector path)");
   m.def("int8_rows_matmul", &int8_rows_matmul,

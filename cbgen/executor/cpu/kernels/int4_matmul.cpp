@@ -164,36 +164,83 @@ std::vector<at::Tensor> pack_4bit(const at::Tensor& codes, const at::Tensor& sca
   return {packed, pack_scales_minima(scales, minima, blocks, scales.size(1))};
 }
 
-// The outer loop of the int4_bf16_pack-layout kernels: every block of 16 output rows
-// (blocks split across threads) against the activation rows Tile at a time.
-// tile(wb, smb, row, rows, acc) leaves rows x 16 float32 sums in acc, which go to y
-// [m, blocks * 16] as bfloat16.
+// One block of 16 output rows of an int4_bf16_pack-layout kernel against the m
+// activation rows, Tile at a time: tile(wb, smb, row, rows, acc) leaves rows x 16
+// float32 sums in acc, which go to block b's columns of y [m, blocks * 16] as bfloat16.
+template <int Tile, typename TileFn>
+void one_block(int64_t m, int64_t b, int64_t blocks, int64_t groups, int64_t scale_groups,
+               const uint8_t* w, const uint16_t* sm, at::BFloat16* y, TileFn& tile) {
+  const int64_t n = blocks * kBlock;
+  float acc[Tile * kBlock];
+  const uint8_t* wb = w + b * groups * 256;
+  const uint16_t* smb = sm + b * scale_groups * 2 * kBlock;
+  for (int64_t row = 0; row < m; row += Tile) {
+    const int64_t rows = std::min<int64_t>(Tile, m - row);
+    tile(wb, smb, row, rows, acc);
+    for (int64_t r = 0; r < rows; ++r) {
+      at::BFloat16* yr = y + (row + r) * n + b * kBlock;
+#if CBGEN_VFLOAT
+      // c10's rounding a vector at a time: 16 scalar conversions were about a
+      // twentieth of a one-row tile's instructions.
+      for (int64_t c = 0; c < kBlock; c += kWidth)
+        vstore_bf16(yr + c, vload(acc + r * kBlock + c));
+#else
+      for (int64_t c = 0; c < kBlock; ++c) yr[c] = static_cast<at::BFloat16>(acc[r * kBlock + c]);
+#endif
+    }
+  }
+}
+
+// The outer loop of the int4_bf16_pack-layout kernels: every block (split across
+// threads) through one_block.
 template <int Tile, typename TileFn>
 void for_each_block(int64_t m, int64_t blocks, int64_t groups, int64_t scale_groups,
                     const uint8_t* w, const uint16_t* sm, at::BFloat16* y, TileFn tile) {
-  const int64_t n = blocks * kBlock;
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    float acc[Tile * kBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = w + b * groups * 256;
-      const uint16_t* smb = sm + b * scale_groups * 2 * kBlock;
-      for (int64_t row = 0; row < m; row += Tile) {
-        const int64_t rows = std::min<int64_t>(Tile, m - row);
-        tile(wb, smb, row, rows, acc);
-        for (int64_t r = 0; r < rows; ++r) {
-          at::BFloat16* yr = y + (row + r) * n + b * kBlock;
-#if CBGEN_VFLOAT
-          // c10's rounding a vector at a time: 16 scalar conversions were about a
-          // twentieth of a one-row tile's instructions.
-          for (int64_t c = 0; c < kBlock; c += kWidth)
-            vstore_bf16(yr + c, vload(acc + r * kBlock + c));
-#else
-          for (int64_t c = 0; c < kBlock; ++c) yr[c] = static_cast<at::BFloat16>(acc[r * kBlock + c]);
-#endif
-        }
-      }
-    }
+    for (int64_t b = begin; b < end; ++b)
+      one_block<Tile>(m, b, blocks, groups, scale_groups, w, sm, y, tile);
   });
+}
+
+// The grouped calls' spans: a count, weights and scales each, the counts adding up to
+// x's rows, every span's weights of one shape (and each its kernel's, checked there).
+void check_spans(const char* name, const at::Tensor& x, const std::vector<int64_t>& counts,
+                 const std::vector<at::Tensor>& packed,
+                 const std::vector<at::Tensor>& scales_minima) {
+  TORCH_CHECK(!packed.empty() && counts.size() == packed.size() &&
+                  scales_minima.size() == packed.size(),
+              name, ": one count, packed and scales_minima a span");
+  int64_t total = 0;
+  for (int64_t count : counts) {
+    TORCH_CHECK(count >= 0, name, ": a negative count");
+    total += count;
+  }
+  TORCH_CHECK(x.dim() == 2 && total == x.size(0), name, ": the counts do not add up to x's rows");
+  for (size_t i = 1; i < packed.size(); ++i) {
+    TORCH_CHECK(packed[i].sizes() == packed[0].sizes() &&
+                    scales_minima[i].sizes() == scales_minima[0].sizes(),
+                name, ": every span's weights must be of one shape");
+  }
+}
+
+// A grouped call's span with rows: where its rows start in x, how many, its weights.
+struct Span {
+  int64_t start, rows;
+  const uint8_t* w;
+  const uint16_t* sm;
+};
+
+std::vector<Span> nonempty_spans(const std::vector<int64_t>& counts,
+                                 const std::vector<at::Tensor>& packed,
+                                 const std::vector<at::Tensor>& scales_minima) {
+  std::vector<Span> spans;
+  int64_t start = 0;
+  for (size_t i = 0; i < packed.size(); start += counts[i], ++i) {
+    if (counts[i] == 0) continue;
+    spans.push_back({start, counts[i], packed[i].data_ptr<uint8_t>(),
+                     reinterpret_cast<const uint16_t*>(scales_minima[i].data_ptr<at::BFloat16>())});
+  }
+  return spans;
 }
 
 }  // namespace
@@ -284,13 +331,22 @@ std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor
                    });
 }
 
-// x: bfloat16 [m, k]; returns bfloat16 [m, n].
-at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& scales_minima) {
-  const int64_t group = check_4bit_inputs("int4_vnni_matmul", x, packed, {4, 64}, scales_minima);
+// Consecutive spans of x's rows (counts[i] rows each), span i against its own w4a8
+// weights (packed[i], scales_minima[i]; all of one shape), in one call and one parallel
+// loop over every (span, block): an MoE layer's experts. Each row is quantized once, as
+// int4_vnni_matmul quantizes it, so every span's rows get the bits that call would give
+// them. x: bfloat16 [m, k]; returns bfloat16 [m, n].
+at::Tensor int4_vnni_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
+                             const std::vector<at::Tensor>& packed,
+                             const std::vector<at::Tensor>& scales_minima) {
+  check_spans("int4_vnni_grouped", x, counts, packed, scales_minima);
+  const int64_t group =
+      check_4bit_inputs("int4_vnni_matmul", x, packed[0], {4, 64}, scales_minima[0]);
+  for (size_t i = 1; i < packed.size(); ++i)
+    check_4bit_inputs("int4_vnni_matmul", x, packed[i], {4, 64}, scales_minima[i]);
   TORCH_CHECK(group == kGroup, "int4_vnni_matmul: w4a8 scales groups of 32");
   const int64_t m = x.size(0), k = x.size(1);
-  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  const int64_t blocks = packed[0].size(0), groups = packed[0].size(1);
   const int64_t n = blocks * kBlock;
   auto xc = x.contiguous();
   auto out = at::empty({m, n}, x.options());
@@ -303,29 +359,33 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
       group_sums(xp + row * k, k, kGroup, sx.data() + row * groups);
     }
   });
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales_minima.data_ptr<at::BFloat16>());
+  const std::vector<Span> spans = nonempty_spans(counts, packed, scales_minima);
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  const int64_t work = static_cast<int64_t>(spans.size()) * blocks;
+  at::parallel_for(0, work, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Span& span = spans[item / blocks];
+      const int64_t b = item % blocks;
 #if CBGEN_W4A8_AVX2
-  for_each_block<4>(m, blocks, groups, groups, w, sm, y,
-                    [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
-                        float* acc) {
-                      const int8_t* xr = xq.data() + row * k;
-                      const float* dr = dx.data() + row * groups;
-                      const float* sr = sx.data() + row * groups;
-                      switch (rows) {
-                        case 1: w4a8_avx2_block<1>(wb, smb, groups, xr, k, dr, sr, acc); break;
-                        case 2: w4a8_avx2_block<2>(wb, smb, groups, xr, k, dr, sr, acc); break;
-                        case 3: w4a8_avx2_block<3>(wb, smb, groups, xr, k, dr, sr, acc); break;
-                        default: w4a8_avx2_block<4>(wb, smb, groups, xr, k, dr, sr, acc); break;
-                      }
-                    });
+      auto tile = [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
+                      float* acc) {
+        const int64_t at = span.start + row;
+        const int8_t* xr = xq.data() + at * k;
+        const float* dr = dx.data() + at * groups;
+        const float* sr = sx.data() + at * groups;
+        switch (rows) {
+          case 1: w4a8_avx2_block<1>(wb, smb, groups, xr, k, dr, sr, acc); break;
+          case 2: w4a8_avx2_block<2>(wb, smb, groups, xr, k, dr, sr, acc); break;
+          case 3: w4a8_avx2_block<3>(wb, smb, groups, xr, k, dr, sr, acc); break;
+          default: w4a8_avx2_block<4>(wb, smb, groups, xr, k, dr, sr, acc); break;
+        }
+      };
+      one_block<4>(span.rows, b, blocks, groups, groups, span.w, span.sm, y + span.start * n,
+                   tile);
 #else
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = w + b * groups * 256;
-      const uint16_t* smb = sm + b * groups * 2 * kBlock;
-      for (int64_t row = 0; row < m; ++row) {
+      const uint8_t* wb = span.w + b * groups * 256;
+      const uint16_t* smb = span.sm + b * groups * 2 * kBlock;
+      for (int64_t row = span.start; row < span.start + span.rows; ++row) {
         const int8_t* xr = xq.data() + row * k;
         const float* dr = dx.data() + row * groups;
         const float* sr = sx.data() + row * groups;
@@ -379,10 +439,16 @@ at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
         at::BFloat16* yr = y + row * n + b * kBlock;
         for (int64_t r = 0; r < kBlock; ++r) yr[r] = static_cast<at::BFloat16>(acc[r]);
       }
+#endif
     }
   });
-#endif
   return out;
+}
+
+// x: bfloat16 [m, k]; returns bfloat16 [m, n].
+at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales_minima) {
+  return int4_vnni_grouped(x, {x.size(0)}, {packed}, {scales_minima});
 }
 
 // 4-bit weights times bfloat16 activations with AVX512-BF16 (the "int4" mode): no
@@ -651,31 +717,6 @@ at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& co
                              const std::vector<at::Tensor>& packed,
                              const std::vector<at::Tensor>& scales_minima);
 
-namespace {
-
-// The grouped calls' spans: a count, weights and scales each, the counts adding up to
-// x's rows, every span's weights of one shape (and each its kernel's, checked there).
-void check_spans(const char* name, const at::Tensor& x, const std::vector<int64_t>& counts,
-                 const std::vector<at::Tensor>& packed,
-                 const std::vector<at::Tensor>& scales_minima) {
-  TORCH_CHECK(!packed.empty() && counts.size() == packed.size() &&
-                  scales_minima.size() == packed.size(),
-              name, ": one count, packed and scales_minima a span");
-  int64_t total = 0;
-  for (int64_t count : counts) {
-    TORCH_CHECK(count >= 0, name, ": a negative count");
-    total += count;
-  }
-  TORCH_CHECK(x.dim() == 2 && total == x.size(0), name, ": the counts do not add up to x's rows");
-  for (size_t i = 1; i < packed.size(); ++i) {
-    TORCH_CHECK(packed[i].sizes() == packed[0].sizes() &&
-                    scales_minima[i].sizes() == scales_minima[0].sizes(),
-                name, ": every span's weights must be of one shape");
-  }
-}
-
-}  // namespace
-
 // x: bfloat16 [m, k]; packed, scales_minima: int4_bf16_pack's; returns bfloat16 [m, n].
 at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales_minima) {
@@ -714,47 +755,51 @@ at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& co
       group_sums(xp + row * k, k, group, sums.data() + row * scale_groups);
     }
   });
-  int64_t start = 0;
-  for (size_t i = 0; i < packed.size(); ++i) {
-    const int64_t rows_here = counts[i];
-    if (rows_here == 0) continue;
-    const uint8_t* w = packed[i].data_ptr<uint8_t>();
-    const uint16_t* sm =
-        reinterpret_cast<const uint16_t*>(scales_minima[i].data_ptr<at::BFloat16>());
-    at::BFloat16* y = out.data_ptr<at::BFloat16>() + start * n;
-    const int16_t* xs = xq.data() + start * k;
-    const float* ss = steps.data() + start * scale_groups;
-    const float* us = sums.data() + start * scale_groups;
-    for_each_block<4>(rows_here, blocks, groups, scale_groups, w, sm, y,
-                      [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
-                          float* acc) {
-                        const int16_t* xr = xs + row * k;
-                        const float* st = ss + row * scale_groups;
-                        const float* su = us + row * scale_groups;
-                        switch (rows) {
-                          case 1: int4_avx2_block<1>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                          case 2: int4_avx2_block<2>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                          case 3: int4_avx2_block<3>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                          default: int4_avx2_block<4>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
-                        }
-                      });
-    start += rows_here;
-  }
+  // Every (span, block) pair in one parallel loop: a decode token's 8 experts were 8
+  // parallel regions a map, each one row against a sixteenth of the work a thread
+  // could take at once.
+  const std::vector<Span> spans = nonempty_spans(counts, packed, scales_minima);
+  at::BFloat16* y_all = out.data_ptr<at::BFloat16>();
+  const int64_t work = static_cast<int64_t>(spans.size()) * blocks;
+  at::parallel_for(0, work, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Span& span = spans[item / blocks];
+      const int64_t b = item % blocks, start = span.start;
+      at::BFloat16* y = y_all + start * n;
+      const int16_t* xs = xq.data() + start * k;
+      const float* ss = steps.data() + start * scale_groups;
+      const float* us = sums.data() + start * scale_groups;
+      auto tile = [&](const uint8_t* wb, const uint16_t* smb, int64_t row, int64_t rows,
+                      float* acc) {
+        const int16_t* xr = xs + row * k;
+        const float* st = ss + row * scale_groups;
+        const float* su = us + row * scale_groups;
+        switch (rows) {
+          case 1: int4_avx2_block<1>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+          case 2: int4_avx2_block<2>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+          case 3: int4_avx2_block<3>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+          default: int4_avx2_block<4>(wb, smb, scale_groups, per, xr, k, st, su, acc); break;
+        }
+      };
+      one_block<4>(span.rows, b, blocks, groups, scale_groups, span.w, span.sm, y, tile);
+    }
+  });
 #endif
   return out;
 }
 
 // Spans of x's rows against their own 4-bit weights in one call, on the kernel of
-// ``path`` (Int4Map.path): AVX2's int4 rounds every row once (int4_avx2_grouped); the
-// other kernels run a call a span from here, which spares the caller's Python a call a
-// span (an MoE layer's experts: one call for all its hit experts' maps).
+// ``path`` (Int4Map.path): int4 on AVX2 and w4a8 round or quantize every row once and
+// run every span's blocks in one parallel loop (int4_avx2_grouped, int4_vnni_grouped);
+// AVX512-BF16's int4 runs a call a span from here. Either spares the caller's Python a
+// call a span (an MoE layer's experts: one call for all its hit experts' maps).
 at::Tensor int4_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
                         const std::vector<at::Tensor>& packed,
                         const std::vector<at::Tensor>& scales_minima, const std::string& path) {
   if (path == "avx2") return int4_avx2_grouped(x, counts, packed, scales_minima);
+  if (path == "vnni") return int4_vnni_grouped(x, counts, packed, scales_minima);
   at::Tensor (*matmul)(const at::Tensor&, const at::Tensor&, const at::Tensor&) = nullptr;
   if (path == "bf16") matmul = &int4_bf16_matmul;
-  if (path == "vnni") matmul = &int4_vnni_matmul;
   TORCH_CHECK(matmul != nullptr, "int4_grouped: no kernel path ", path);
   check_spans("int4_grouped", x, counts, packed, scales_minima);
   auto out = at::empty({x.size(0), packed[0].size(0) * kBlock}, x.options());
