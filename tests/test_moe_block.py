@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from architectures import build_config
-from conftest import fast_path_errors, random_prompts
+from conftest import fast_path_errors, random_prompts, run_until_done
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from cbgen import EngineCore
+from cbgen import EngineCore, SamplingParams
 from cbgen.executor.cpu.kernels import decode_kernel
 from cbgen.executor.cpu.model_quantization import quantize_model
 from cbgen.executor.cpu.moe_block import NativeExpertsBlock, moe_call
@@ -148,3 +148,31 @@ def test_a_block_whose_forward_computes_more_fails_the_check_and_runs_whole():
 def test_unquantized_experts_run_whole():
     model = _model("olmoe", mode=None)
     assert not isinstance(moe_call(model.model.layers[0].mlp), NativeExpertsBlock)
+
+
+def test_a_weight_update_reaches_the_native_experts():
+    """The native block holds the experts' codes as they were when the engine was built;
+    ``update_weights`` requantizes the experts and rebuilds the executor, so the next
+    tokens are those of an engine built on the updated model."""
+    model = _model("olmoe")
+    prompts = random_prompts(3, 4, 12, seed=11)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    source = AutoModelForCausalLM.from_config(build_config("olmoe"), dtype=torch.float32)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    update = {name: 3 * torch.randn_like(source.get_parameter(name)).to(torch.bfloat16)}
+
+    def generate(engine: EngineCore) -> list[list[int]]:
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        outputs = run_until_done(engine)
+        return [list(outputs[i].token_ids) for i in ids]
+
+    with EngineCore(model) as engine:
+        before = generate(engine)
+        engine.update_weights(update)
+        fast = engine.executor.runner.fast_forward
+        assert isinstance(fast._layers[0].moe, NativeExpertsBlock)
+        after = generate(engine)
+    with EngineCore(model) as fresh:
+        want = generate(fresh)
+    assert after == want
+    assert after != before
