@@ -30,6 +30,7 @@ from torch import nn
 
 from .quantization import QuantizedLinear
 from .quantized_experts import QuantizedExperts, grouped_int4
+from .routed_experts import relative_difference
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +138,11 @@ def _check(block: nn.Module, native: NativeExpertsBlock) -> str | None:
     x = torch.randn(5, hidden, generator=generator).to(torch.bfloat16)
     try:
         with torch.no_grad():
-            want = block(x[None]).view(5, hidden).float()
+            want = block(x[None]).view(5, hidden)
             got = native(x)
     except Exception as failure:  # a router of another form (another transformers version)
         return f"it did not run as router and experts here ({failure})"
-    scale = float(want.abs().max().clamp(min=1e-6))
-    error = float((got - want).abs().max()) / scale
+    error = relative_difference(got, want)
     if error > _CHECK_TOLERANCE:
         return (
             f"its forward computes more than router and experts (relative difference {error:.2g})"

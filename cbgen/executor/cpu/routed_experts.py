@@ -180,6 +180,13 @@ def routed_form(experts: nn.Module) -> RoutedForm:
     return form
 
 
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference over the largest magnitude of ``want``: what the checks that
+    run a module against cbgen's own computation of it compare with their tolerance."""
+    scale = float(want.float().abs().max().clamp(min=1e-6))
+    return float((got.float() - want.float()).abs().max()) / scale
+
+
 def map_shape(weight: torch.Tensor, transposed: bool) -> tuple[int, int]:
     """``(out, in)`` of each expert's map in a 3D ``weight``."""
     rows, columns = weight.shape[1], weight.shape[2]
@@ -254,8 +261,7 @@ def _check_routing(experts: nn.Module, form: RoutedForm) -> None:
         ) from failure
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:
         raise ValueError(f"{type(experts).__name__}: its forward returns something else")
-    scale = float(want.float().abs().max().clamp(min=1e-6))
-    error = float((got.float() - want.float()).abs().max()) / scale
+    error = relative_difference(got, want)
     if error > _CHECK_TOLERANCE.get(dtype, _LOW_PRECISION_TOLERANCE):
         raise ValueError(
             f"{type(experts).__name__} computes something else than plain routed experts "
