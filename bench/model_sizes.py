@@ -13,7 +13,8 @@ At the end (and with ``--report-only``) the points are gathered into ``OUT/sizes
 On 2 cores the sweep is long: a 3B model at 256 prompts is about 10 minutes per system
 per repeat. ``--repeats`` sets the repeats of every point; ``--max-repeats-at N=R`` holds
 the points of N prompts or more to R repeats; ``--no-warmup`` skips each point's untimed
-warm-up run.
+warm-up run; ``--peer-timeout S`` stops a peer after S seconds and gives its point as a
+bound (``< N tok/s``, ``cbgen ÷ peer > R``), which is what a vLLM point of hours can have.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def main() -> int:
         action="store_true",
         help="skip the untimed warm-up run of each point (long points: the warm-up doubles them)",
     )
+    parser.add_argument(
+        "--peer-timeout",
+        type=float,
+        metavar="S",
+        help="stop a peer after S seconds (load included) and report the bound its progress "
+        "gives: a point where vLLM would take hours is then bounded in S",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "model-sizes")
     parser.add_argument("--report-only", action="store_true", help="gather, do not run")
     args = parser.parse_args()
@@ -76,6 +84,8 @@ def main() -> int:
                     sizes.write_point(out, model, count, mode, prompts)
                     command = sizes.bench_command(model, mode, prompts, repeats, out)
                     command += ["--no-warmup"] if args.no_warmup else []
+                    if args.peer_timeout:
+                        command += ["--peer-timeout", str(args.peer_timeout)]
                     print(f"model_sizes: {out.name}: python -m cbgen {' '.join(command)}")
                     code = subprocess.call([sys.executable, "-m", "cbgen", *command])
                     failed += code != 0

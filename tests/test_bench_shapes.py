@@ -240,3 +240,27 @@ def test_sizes_gather_points_into_a_table_and_a_plot(tmp_path):
     assert sizes.plot(rows, png) is None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sizes.plot([], png) == "no results to plot"
+
+
+def test_sizes_give_a_peer_stopped_at_its_time_limit_as_a_bound(tmp_path):
+    from cbgen.bench import sizes
+
+    out = _fake_point(tmp_path, "shape:qwen2.5-3b", 3_085_938_688, "bf16", 256, 16.0, None)
+    results = json.loads((out / "results.json").read_text())
+    unfinished = {"workload": "many-short", "repeat": 1, "tokens_total": 32768}
+    unfinished.update(tokens_done=20000, elapsed_s=2730.0, tok_s_below=12.0, load_s=150.0)
+    results["workloads"]["short64"]["systems"]["vllm"].update(
+        unfinished=unfinished, cbgen_ratio_above=16.0 / 12.0, peak_rss_mib=9000.0, load_s=150.0
+    )
+    (out / "results.json").write_text(json.dumps(results))
+
+    rows = sizes.collect(tmp_path)
+    peer = rows[1]
+    assert peer.output_tok_s is None and peer.output_tok_s_below == 12.0 and peer.repeats == 1
+    table = sizes.markdown(rows).splitlines()
+    assert (
+        "| 256 | 16.0 | vllm | < 12.0 (stopped) | > 1.33x | 1,000 / 9,000 | 1.0 / 150.0 | 1 |"
+        in (table[2])
+    )
+    # A bound is not a rate: the plot leaves it out but still draws cbgen's point.
+    assert sizes.plot(rows, tmp_path / "plot.png") is None

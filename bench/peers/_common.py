@@ -4,6 +4,12 @@ A runner is started as ``<peer venv>/bin/python bench/peers/<peer>_runner.py SPE
 by ``python -m cbgen bench --peers ...``, already pinned to the benchmark's cores. It reads
 the spec (see ``cbgen/bench/worker.py``), runs each workload (warm-up, then the repeats)
 and writes the same result as cbgen's worker, so the harness reports it like any system.
+
+While a timed repeat runs, the runner also keeps ``spec["progress_path"]`` (when the spec
+names one) up to date with the tokens made so far. A peer that outlives the harness's time
+limit is killed before it writes a result; that file is what lets the harness still say
+something true about it: it had not made all its tokens by then, so its rate was below
+tokens / elapsed (see ``cbgen.bench.harness.unfinished_run``).
 """
 
 from __future__ import annotations
@@ -20,8 +26,48 @@ from typing import Any
 WARMUP_PROMPTS = 4
 WARMUP_TOKENS = 8
 
-# run_once(prompts, max_new_tokens) -> (wall_s, token_times per request, token ids per request)
-RunOnce = Callable[[list[list[int]], int], tuple[float, list[list[float]], list[list[int]]]]
+PROGRESS_EVERY_S = 2.0
+
+# run_once(prompts, max_new_tokens, progress) -> (wall_s, token_times, token ids per request);
+# it calls progress(tokens made so far, all requests together) as it goes
+Progress = Callable[[int], None]
+RunOnce = Callable[
+    [list[list[int]], int, Progress], tuple[float, list[list[float]], list[list[int]]]
+]
+
+
+def no_progress(tokens: int) -> None:
+    """The progress of a run nobody watches (the warm-up)."""
+
+
+class ProgressFile:
+    """A timed repeat's tokens so far, rewritten (atomically) at most every ``every_s``
+    seconds: wall-clock times, so the harness, another process, can compare them with
+    when it stopped the runner."""
+
+    def __init__(
+        self,
+        path: Path,
+        record: dict[str, Any],
+        every_s: float | None = None,
+    ) -> None:
+        self.path = path
+        self.record = dict(record, started_unix=time.time(), tokens_done=0)
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self.last = time.monotonic()
+        self.write()
+
+    def __call__(self, tokens: int) -> None:
+        self.record["tokens_done"] = tokens
+        if time.monotonic() - self.last >= self.every_s:
+            self.write()
+
+    def write(self) -> None:
+        self.last = time.monotonic()
+        self.record["updated_unix"] = time.time()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.record), encoding="utf-8")
+        tmp.replace(self.path)
 
 
 def proc_status_kib(field: str) -> int | None:
@@ -56,6 +102,7 @@ def spread(items: list[Any], count: int) -> list[Any]:
 
 def run_workloads(spec: dict[str, Any], run_once: RunOnce, result: dict[str, Any]) -> None:
     repeats = int(spec.get("repeats", 3))
+    progress_path = Path(spec["progress_path"]) if spec.get("progress_path") else None
     result.setdefault("workloads", {})
     for workload in spec["workloads"]:
         name, prompts, max_new = workload["name"], workload["prompts"], workload["max_new_tokens"]
@@ -65,11 +112,22 @@ def run_workloads(spec: dict[str, Any], run_once: RunOnce, result: dict[str, Any
             if spec.get("warmup", True):
                 started = time.perf_counter()
                 run_once(
-                    spread(prompts, min(WARMUP_PROMPTS, len(prompts))), min(max_new, WARMUP_TOKENS)
+                    spread(prompts, min(WARMUP_PROMPTS, len(prompts))),
+                    min(max_new, WARMUP_TOKENS),
+                    no_progress,
                 )
                 entry["warmup_s"] = time.perf_counter() - started
             for repeat in range(repeats):
-                wall, times, ids = run_once(prompts, max_new)
+                progress: Progress = no_progress
+                if progress_path is not None:
+                    record = {
+                        "workload": name,
+                        "repeat": repeat + 1,
+                        "tokens_total": max_new * len(prompts),
+                        "load_s": result.get("load_s"),
+                    }
+                    progress = ProgressFile(progress_path, record)
+                wall, times, ids = run_once(prompts, max_new, progress)
                 entry["runs"].append(
                     {
                         "wall_s": wall,

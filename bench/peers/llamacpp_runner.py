@@ -164,7 +164,7 @@ class BatchedGreedy:
         logits = self.np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
         return int(logits.argmax())
 
-    def run(self, prompts: list[list[int]], max_new: int):
+    def run(self, prompts: list[list[int]], max_new: int, progress):
         ll, batch = self.ll, self.batch
         ll.llama_memory_clear(self.memory, True)
         waiting = deque(Sequence(i, list(p)) for i, p in enumerate(prompts))
@@ -172,6 +172,7 @@ class BatchedGreedy:
         running: list[Sequence] = []  # decoding
         prefilling: deque[Sequence] = deque()
         done: dict[int, Sequence] = {}
+        made = 0
         begin = time.perf_counter()
         while waiting or running or prefilling:
             n = 0
@@ -214,6 +215,7 @@ class BatchedGreedy:
             for row, seq in sampled:
                 token = self._argmax(row)
                 seq.generated.append(token)
+                made += 1
                 seq.times.append(now)
                 seq.last = token
                 if len(seq.generated) >= max_new:
@@ -223,6 +225,7 @@ class BatchedGreedy:
                 else:
                     still.append(seq)
             running = still
+            progress(made)
         wall = time.perf_counter() - begin
         ordered = [done[i] for i in range(len(prompts))]
         return wall, [s.times for s in ordered], [s.generated for s in ordered]

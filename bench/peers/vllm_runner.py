@@ -57,7 +57,7 @@ def main() -> int:
     engine = llm.llm_engine
     counter = iter(range(1 << 62))
 
-    def run_once(prompts: list[list[int]], max_new: int):
+    def run_once(prompts: list[list[int]], max_new: int, progress):
         params = SamplingParams(
             max_tokens=max_new,
             temperature=0.0,
@@ -73,6 +73,7 @@ def main() -> int:
         # (chat64: TTFT p99 5.3 s and 301 tok/s with it kept).
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
+        made = 0
         begin = time.perf_counter()
         for index, prompt in enumerate(prompts):
             request_id = f"r{next(counter)}"
@@ -86,6 +87,8 @@ def main() -> int:
                 index = index_of[output.request_id]
                 times[index].extend([now] * len(new))
                 ids[index].extend(new)
+                made += len(new)
+            progress(made)
         return time.perf_counter() - begin, times, ids
 
     run_workloads(spec, run_once, result)

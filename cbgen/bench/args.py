@@ -85,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--timeout", type=float, default=7200.0, help="seconds allowed per process")
     m.add_argument(
+        "--peer-timeout",
+        type=float,
+        help="seconds allowed per peer process (default: --timeout); a peer stopped mid-run "
+        "is reported with the bound its progress gives (below N tok/s)",
+    )
+    m.add_argument(
         "--max-rss-gib",
         type=float,
         help="kill a system whose RSS passes this (default: 90%% of available memory)",

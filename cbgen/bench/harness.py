@@ -12,6 +12,7 @@ import argparse
 import datetime as _dt
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..core.config import EngineConfig
@@ -23,6 +24,7 @@ from . import metrics
 from .args import DEFAULT_REPEATS, add_arguments, parse_cpus, parse_engine_options, split_list
 from .machine import choose_cpus, process_env, versions
 from .peers import PEERS
+from .report import describe_unfinished
 from .shapes import is_shape, shape_gguf, shape_info
 from .supervisor import ProcessOutcome, run_process, tail
 from .systems import SYSTEMS
@@ -143,19 +145,29 @@ class Bench:
         spec_path = self.out / "specs" / f"{label}.json"
         result_path = self.out / "raw" / f"{label}.json"
         log_path = self.out / "logs" / f"{label}.log"
+        progress_path = self.progress_path(label)
+        progress_path.unlink(missing_ok=True)
+        spec = {**spec, "progress_path": str(progress_path)}
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        timeout = self.args.timeout
+        if spec["kind"] == "peer" and self.args.peer_timeout:
+            timeout = self.args.peer_timeout
         outcome = run_process(
             [*command_prefix, str(spec_path), str(result_path)],
             env=self.env(),
             cpus=self.cpus,
             log_path=log_path,
-            timeout=self.args.timeout,
+            timeout=timeout,
             max_rss_kib=self.max_rss_kib,
         )
         if outcome.killed or outcome.returncode != 0 or not result_path.exists():
             why = outcome.killed or f"exit code {outcome.returncode}"
             return None, outcome, f"{why}; log {log_path}:\n{tail(log_path)}"
         return json.loads(result_path.read_text(encoding="utf-8")), outcome, None
+
+    def progress_path(self, label: str) -> Path:
+        """Where a runner keeps its timed repeat's tokens so far (peers' runners do)."""
+        return self.out / "raw" / f"{label}.progress.json"
 
     # the whole run
 
@@ -310,7 +322,8 @@ class Bench:
             print(f"cbgen bench: {label} ...", flush=True)
             spec = self.spec("peer", peer, [w])
             result, outcome, error = self.launch(label, spec, [str(python), str(runner)])
-            self._collect(peer, [w], result, outcome, error, raw)
+            unfinished = unfinished_run(self.progress_path(label), outcome) if error else None
+            self._collect(peer, [w], result, outcome, error, raw, unfinished)
 
     def _collect(
         self,
@@ -320,10 +333,18 @@ class Bench:
         outcome: ProcessOutcome | None,
         error: str | None,
         raw: dict[str, dict[str, Any]],
+        unfinished: dict[str, Any] | None = None,
     ) -> None:
         for w in workloads:
             if error or result is None:
                 raw[w.name][system] = {"error": error or "no result"}
+                if unfinished is not None and unfinished["workload"] == w.name:
+                    raw[w.name][system]["unfinished"] = unfinished
+                    raw[w.name][system]["peak_rss_kib"] = outcome.peak_rss_kib if outcome else None
+                    bound = describe_unfinished(unfinished)
+                    why = error.splitlines()[0] if error else "stopped"
+                    print(f"  {w.name} {system}: {why}, {bound}")
+                    continue
                 print(f"  {w.name} {system}: FAILED: {error}")
                 continue
             entry = dict(result["workloads"].get(w.name) or {"error": "no result"})
@@ -359,6 +380,15 @@ class Bench:
         for system, entry in raw.items():
             if entry.get("error"):
                 compiled[system] = {"error": entry["error"]}
+                unfinished = entry.get("unfinished")
+                if unfinished:
+                    peak = entry.get("peak_rss_kib")
+                    compiled[system].update(
+                        unfinished=unfinished,
+                        cbgen_ratio_above=metrics.ratio(cbgen_tok_s, unfinished["tok_s_below"]),
+                        peak_rss_mib=peak / 1024 if peak else None,
+                        load_s=unfinished.get("load_s"),
+                    )
                 continue
             runs = entry["runs"]
             median = metrics.median_figures(runs)
@@ -396,6 +426,31 @@ class Bench:
         return compiled
 
 
+def unfinished_run(progress_path: Path, outcome: ProcessOutcome | None) -> dict[str, Any] | None:
+    """What a runner stopped at its time limit had done, from its progress file; None
+    unless it was stopped for time in the middle of a timed repeat.
+
+    It had not made its ``tokens_total`` tokens by the time it was stopped, so its rate
+    on that repeat was below ``tokens_total / elapsed_s`` (``tok_s_below``): a true
+    bound, whatever it would have done next. ``partial_tok_s`` is its rate over the part
+    it ran, an estimate only (the end of a run, when the batch thins out, is not in it).
+    """
+    if outcome is None or outcome.timed_out_unix is None or not progress_path.exists():
+        return None
+    record = json.loads(progress_path.read_text(encoding="utf-8"))
+    elapsed = outcome.timed_out_unix - record["started_unix"]
+    if elapsed <= 0:
+        return None
+    measured = record["updated_unix"] - record["started_unix"]
+    done = record["tokens_done"]
+    return {
+        **record,
+        "elapsed_s": elapsed,
+        "tok_s_below": record["tokens_total"] / elapsed,
+        "partial_tok_s": done / measured if done and measured > 0 else None,
+    }
+
+
 def _all_workloads() -> list[str]:
     from .workloads import workload_names
 
@@ -421,8 +476,17 @@ def run(args: argparse.Namespace) -> int:
         f"{w}/{s}"
         for w, workload in results["workloads"].items()
         for s, entry in workload["systems"].items()
-        if entry.get("error") or not entry.get("tokens_ok")
+        if (entry.get("error") and not entry.get("unfinished"))
+        or (not entry.get("error") and not entry.get("tokens_ok"))
     ]
+    stopped = [
+        f"{w}/{s}"
+        for w, workload in results["workloads"].items()
+        for s, entry in workload["systems"].items()
+        if entry.get("unfinished")
+    ]
+    if stopped:
+        print("cbgen bench: stopped at --peer-timeout, reported as bounds: " + ", ".join(stopped))
     if failed:
         print("cbgen bench: failed or wrong token counts: " + ", ".join(failed), file=sys.stderr)
         return 1

@@ -31,6 +31,16 @@ def workload_table(workload: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for name, system in workload["systems"].items():
+        unfinished = system.get("unfinished")
+        if unfinished:
+            above = system.get("cbgen_ratio_above")
+            lines.append(
+                f"| {name} | {describe_unfinished(unfinished)} | | | | | "
+                f"{_fmt(system.get('peak_rss_mib'), 0)} | unfinished | – | "
+                + ("–" if above is None else f"> {above:.2f}×")
+                + " |"
+            )
+            continue
         if system.get("error"):
             error = system["error"].replace("|", "/").splitlines()[0][:120]
             lines.append(f"| {name} | failed: {error} | | | | | | | | |")
@@ -56,6 +66,18 @@ def workload_table(workload: dict[str, Any]) -> list[str]:
             + " |"
         )
     return lines
+
+
+def describe_unfinished(unfinished: dict[str, Any]) -> str:
+    """One line: the bound, and how far the run got."""
+    partial = unfinished.get("partial_tok_s")
+    return (
+        f"below {unfinished['tok_s_below']:.1f} tok/s "
+        f"({unfinished['tokens_done']:,} of {unfinished['tokens_total']:,} tokens "
+        f"when stopped after {unfinished['elapsed_s']:,.0f} s of repeat {unfinished['repeat']}"
+        + (f", {partial:.1f} tok/s so far" if partial else "")
+        + ")"
+    )
 
 
 def speculation_line(workload: dict[str, Any]) -> list[str]:
@@ -88,8 +110,12 @@ def summary_table(results: dict[str, Any]) -> list[str]:
         cbgen = workload["systems"].get("cbgen", {})
         row = [name, _fmt((cbgen.get("median") or {}).get("output_tok_s"))]
         for baseline in baselines:
-            ratio = workload["systems"].get(baseline, {}).get("cbgen_ratio")
-            row.append("–" if ratio is None else f"{ratio:.2f}×")
+            entry = workload["systems"].get(baseline, {})
+            ratio, above = entry.get("cbgen_ratio"), entry.get("cbgen_ratio_above")
+            if above is not None:
+                row.append(f"> {above:.2f}×")
+            else:
+                row.append("–" if ratio is None else f"{ratio:.2f}×")
         utilization = cbgen.get("roofline")
         row.append("–" if not utilization else f"{100 * utilization['fraction']:.1f}%")
         lines.append("| " + " | ".join(row) + " |")

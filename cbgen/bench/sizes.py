@@ -94,6 +94,9 @@ class Row:
     cbgen_ratio: float | None  # cbgen ÷ this system (None for cbgen)
     repeats: int
     error: str | None = None
+    # a peer stopped at its time limit: its rate was below this, so cbgen ÷ it was above
+    output_tok_s_below: float | None = None
+    cbgen_ratio_above: float | None = None
 
 
 def collect(root: Path) -> list[Row]:
@@ -109,6 +112,7 @@ def collect(root: Path) -> list[Row]:
             for system, entry in workload["systems"].items():
                 error = entry.get("error")
                 median = entry.get("median") or {}
+                unfinished = entry.get("unfinished") or {}
                 rows.append(
                     Row(
                         model=point["model"],
@@ -120,8 +124,10 @@ def collect(root: Path) -> list[Row]:
                         peak_rss_mib=entry.get("peak_rss_mib"),
                         load_s=entry.get("load_s"),
                         cbgen_ratio=entry.get("cbgen_ratio"),
-                        repeats=len(entry.get("repeats") or []),
+                        repeats=len(entry.get("repeats") or []) or (1 if unfinished else 0),
                         error=error.splitlines()[0][:100] if error else None,
+                        output_tok_s_below=unfinished.get("tok_s_below"),
+                        cbgen_ratio_above=entry.get("cbgen_ratio_above"),
                     )
                 )
     rows.sort(key=lambda r: (r.mode, r.parameters, r.prompts, r.system != "cbgen", r.system))
@@ -158,8 +164,8 @@ def markdown(rows: list[Row]) -> str:
                         str(prompts),
                         (ours.error and "failed") or _num(ours.output_tok_s) if ours else "–",
                         name,
-                        "failed" if peer.error else _num(peer.output_tok_s),
-                        "–" if peer.cbgen_ratio is None else f"{peer.cbgen_ratio:.2f}x",
+                        _peer_tok_s(peer),
+                        _peer_ratio(peer),
                         f"{_num(ours.peak_rss_mib if ours else None, 0)} / "
                         f"{_num(peer.peak_rss_mib, 0)}",
                         f"{_num(ours.load_s if ours else None)} / {_num(peer.load_s)}",
@@ -171,9 +177,22 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _peer_tok_s(peer: Row) -> str:
+    if peer.output_tok_s_below is not None:
+        return f"< {peer.output_tok_s_below:,.1f} (stopped)"
+    return "failed" if peer.error else _num(peer.output_tok_s)
+
+
+def _peer_ratio(peer: Row) -> str:
+    if peer.cbgen_ratio_above is not None:
+        return f"> {peer.cbgen_ratio_above:.2f}x"
+    return "–" if peer.cbgen_ratio is None else f"{peer.cbgen_ratio:.2f}x"
+
+
 def plot(rows: list[Row], path: Path) -> str | None:
     """Output tok/s against parameters, one panel per prompt count, one line per system
-    and mode; returns why no plot was drawn, or None."""
+    and mode; returns why no plot was drawn, or None. A peer stopped at its time limit
+    has a bound, not a rate, and is left out of the plot (the table gives the bound)."""
     try:
         import matplotlib
 

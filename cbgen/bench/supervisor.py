@@ -19,6 +19,7 @@ class ProcessOutcome:
     peak_rss_kib: int | None
     wall_s: float
     killed: str | None = None
+    timed_out_unix: float | None = None  # when it was stopped for its time limit (time.time())
 
 
 def run_process(
@@ -55,6 +56,7 @@ def run_process(
             start_new_session=True,
         )
     killed = None
+    timed_out_unix = None
     peak = None
     while True:
         pid, status = os.waitpid(process.pid, os.WNOHANG)
@@ -67,6 +69,7 @@ def run_process(
         elapsed = time.perf_counter() - started
         if killed is None and elapsed > timeout:
             killed = f"timed out after {timeout:.0f} s"
+            timed_out_unix = time.time()
         elif killed is None and max_rss_kib and rss and rss > max_rss_kib:
             killed = f"RSS passed the limit of {max_rss_kib / 2**20:.1f} GiB"
         if killed is not None:
@@ -76,7 +79,9 @@ def run_process(
                 pass
         time.sleep(0.1)
     process.returncode = os.waitstatus_to_exitcode(status)
-    return ProcessOutcome(process.returncode, peak, time.perf_counter() - started, killed)
+    return ProcessOutcome(
+        process.returncode, peak, time.perf_counter() - started, killed, timed_out_unix
+    )
 
 
 def tail(path: Path, lines: int = 15) -> str:
