@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -96,9 +97,15 @@ def test_a_runners_timed_repeats_keep_a_progress_file(tmp_path, monkeypatch):
     path = tmp_path / "peer.progress.json"
     seen = []
 
+    clock_started_first = []
+
     def run_once(prompts, max_new, progress):
-        before = json.loads(path.read_text()) if path.exists() else None
-        seen.append((len(prompts), max_new, before and before["repeat"]))
+        clock = time.time()
+        progress(0)  # the run's clock starts
+        started = json.loads(path.read_text()) if path.exists() else None
+        seen.append((len(prompts), max_new, started and started["repeat"]))
+        if started is not None:
+            clock_started_first.append(started["started_unix"] >= clock)
         for made in range(1, len(prompts) * max_new + 1):
             progress(made)
         return 1.0, [[0.5] * max_new for _ in prompts], [[7] * max_new for _ in prompts]
@@ -114,6 +121,9 @@ def test_a_runners_timed_repeats_keep_a_progress_file(tmp_path, monkeypatch):
     assert result["workloads"]["w"]["error"] is None
     # The warm-up (4 prompts, 8 tokens) writes nothing; each timed repeat starts afresh.
     assert seen == [(4, 8, None), (5, 16, 1), (5, 16, 2)]
+    # A repeat's start is taken when its clock starts, never earlier (the bound errs on the
+    # peer's side).
+    assert clock_started_first == [True, True]
     record = json.loads(path.read_text())
     assert record["workload"] == "w" and record["repeat"] == 2 and record["load_s"] == 3.5
     assert record["tokens_done"] == record["tokens_total"] == 80

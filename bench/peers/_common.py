@@ -43,7 +43,11 @@ def no_progress(tokens: int) -> None:
 class ProgressFile:
     """A timed repeat's tokens so far, rewritten (atomically) at most every ``every_s``
     seconds: wall-clock times, so the harness, another process, can compare them with
-    when it stopped the runner."""
+    when it stopped the runner.
+
+    The first call (a runner makes it, with 0, as its run's clock starts) writes the file
+    and its ``started_unix``: never before the runner's own clock, so a bound taken from it
+    errs on the peer's side."""
 
     def __init__(
         self,
@@ -52,14 +56,16 @@ class ProgressFile:
         every_s: float | None = None,
     ) -> None:
         self.path = path
-        self.record = dict(record, started_unix=time.time(), tokens_done=0)
+        self.record = dict(record)
         self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
-        self.last = time.monotonic()
-        self.write()
+        self.last: float | None = None
 
     def __call__(self, tokens: int) -> None:
         self.record["tokens_done"] = tokens
-        if time.monotonic() - self.last >= self.every_s:
+        if self.last is None:
+            self.record["started_unix"] = time.time()
+            self.write()
+        elif time.monotonic() - self.last >= self.every_s:
             self.write()
 
     def write(self) -> None:

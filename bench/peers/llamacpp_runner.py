@@ -174,6 +174,7 @@ class BatchedGreedy:
         done: dict[int, Sequence] = {}
         made = 0
         begin = time.perf_counter()
+        progress(0)
         while waiting or running or prefilling:
             n = 0
 

@@ -75,6 +75,7 @@ def main() -> int:
             raise RuntimeError("vLLM refused to reset its prefix cache")
         made = 0
         begin = time.perf_counter()
+        progress(0)
         for index, prompt in enumerate(prompts):
             request_id = f"r{next(counter)}"
             index_of[request_id] = index
