@@ -101,6 +101,14 @@ def test_quick_variants_and_overrides(tokenizer):
     assert max(quick.prompt_lengths) > 100  # spread over the set, not its first few
     small = build_workload("many-short", tokenizer, quick=True, num_prompts=3, max_new_tokens=2)
     assert (len(small.prompts), small.max_new_tokens) == (3, 2)
+    # A definition's text names its own counts; a run that changes them says so.
+    assert small.description.endswith("(as defined; run here with 3 prompts, 2 new tokens)")
+    assert "run here" not in full.description
+    held = build_workload("many-short", tokenizer, max_new_tokens=128)
+    assert held.description == (
+        "256 short prompts under 50 tokens, 64 new tokens "
+        "(as defined; run here with 256 prompts, 128 new tokens)"
+    )
     with pytest.raises(KeyError, match="unknown workload"):
         build_workload("nope", tokenizer)
     with pytest.raises(ValueError, match="64 prompts, 65 were asked"):

@@ -118,6 +118,7 @@ def build_workload(
     if name not in known:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(known)}")
     spec = dict(known[name])
+    defined = (int(spec["num_prompts"]), int(spec["max_new_tokens"]))
     if quick:
         spec.update(spec.get("quick", {}))
     if num_prompts is not None:
@@ -156,9 +157,15 @@ def build_workload(
     if len(messages) < count:
         raise ValueError(f"workload {name!r} has {len(messages)} prompts, {count} were asked for")
     messages = spread(messages, count)
+    description = spec.get("description", "")
+    if (count, int(spec["max_new_tokens"])) != defined:
+        # the definition's text names its own counts; say what this run uses instead
+        description += (
+            f" (as defined; run here with {count} prompts, {spec['max_new_tokens']} new tokens)"
+        )
     return Workload(
         name=name,
-        description=spec.get("description", ""),
+        description=description,
         prompts=[encode(m) for m in messages],
         max_new_tokens=int(spec["max_new_tokens"]),
         messages=messages,
