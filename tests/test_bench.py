@@ -343,10 +343,11 @@ def test_the_roofline_of_a_quantized_run_times_the_dense_gemms(tiny_chat_model_d
 
 @pytest.mark.parametrize("onednn_bf16", [True, False])
 def test_the_bf16_roofline_times_a_onednn_gemm_giving_the_same_product(monkeypatch, onednn_bf16):
-    """bfloat16 weights get a oneDNN GEMM in the roofline beside torch's ``F.linear``:
-    oneDNN's packed bfloat16 where it packs it, else float32 on the widened weights
-    (where torch's bfloat16 GEMM is several times slower, AVX2-only CPUs); each is the
-    same product."""
+    """bfloat16 weights get oneDNN GEMMs in the roofline beside torch's ``F.linear``:
+    oneDNN's packed bfloat16 where it packs it, and float32 on the widened weights
+    everywhere (torch's bfloat16 GEMM is several times slower on AVX2-only CPUs, and
+    the float32 units outrun vdpbf16ps on Intel's cores without AMX), and cbgen's
+    float32-FMA kernel where it is built; each is the same product."""
     import torch
 
     from cbgen.bench import roofline
@@ -363,8 +364,13 @@ def test_the_bf16_roofline_times_a_onednn_gemm_giving_the_same_product(monkeypat
     w = torch.randn(48, 64, generator=generator).to(torch.bfloat16)
     x = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
     kernels = roofline._linear_kernels(w, 5)
-    onednn = "oneDNN prepacked" if onednn_bf16 else "oneDNN prepacked, float32 (widened)"
-    assert set(kernels) == {"F.linear", onednn}
+    want = {"F.linear", "oneDNN prepacked, float32 (widened)"}
+    if onednn_bf16:
+        want.add("oneDNN prepacked")
+    kernel_module = roofline.decode_kernel()
+    if kernel_module is not None and kernel_module.bf16_fma_available():
+        want.add("cbgen bf16_fma_matmul")
+    assert set(kernels) == want
     exact = x.float() @ w.float().t()
     for kernel in kernels.values():
         torch.testing.assert_close(kernel(x).float(), exact, rtol=2**-7, atol=1e-5)

@@ -353,6 +353,96 @@ def test_bf16_lanes_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch(rows, s
         assert torch.equal(alone[0].view(torch.int16), batched[row].view(torch.int16))
 
 
+needs_fma_kernel = pytest.mark.skipif(
+    decode_kernel() is None or not decode_kernel().bf16_fma_available(),
+    reason="bf16_fma_matmul is built for AVX-512 CPUs only",
+)
+
+
+@needs_fma_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 200),
+    out_features=st.integers(1, 110),
+    in_features=st.integers(1, 300),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_fma_kernel_is_the_product_to_one_rounding(
+    rows, out_features, in_features, bias, seed
+):
+    """AVX-512's float32-FMA kernel for plain bf16 weights, at any shape: partial vectors
+    of rows (fewer than 16, 64 or 128 of them), weight rows past its 96-row blocks and
+    its 6- to 12-row tiles, columns that are no multiple of 16 or of its 128-column
+    chunks. Each output is the float32 sum of exact products and the bias, rounded once
+    to bfloat16."""
+    _assert_bf16_product("bf16_fma_matmul", rows, out_features, in_features, bias, seed)
+
+
+@needs_fma_kernel
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(2, 200), seed=st.integers(0, 2**16))
+def test_bf16_fma_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch(rows, seed):
+    """Each output's sum runs along the columns in order whatever the rows beside it
+    (and however many threads run it), so a request's logits do not depend on the batch
+    it decodes in (to the bit)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(101, 300, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 300, generator=generator).to(torch.bfloat16)
+    kernel = decode_kernel()
+    batched = kernel.bf16_fma_matmul(x, weight, None)
+    for row in (0, rows // 2, rows - 1):
+        alone = kernel.bf16_fma_matmul(x[row : row + 1].contiguous(), weight, None)
+        assert torch.equal(alone[0].view(torch.int16), batched[row].view(torch.int16))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.bf16_fma_matmul(x, weight, None), batched)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_fma_kernel
+def test_bf16_fma_kernel_refuses_what_it_cannot_take():
+    kernel = decode_kernel()
+    weight = torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x has 12 columns, weight 16"):
+        kernel.bf16_fma_matmul(torch.zeros(20, 12, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        kernel.bf16_fma_matmul(torch.zeros(20, 16, dtype=torch.bfloat16), weight.t(), None)
+    with pytest.raises(RuntimeError, match="bias has 3 values for 8 outputs"):
+        kernel.bf16_fma_matmul(
+            torch.zeros(20, 16, dtype=torch.bfloat16), weight, torch.zeros(3, dtype=torch.bfloat16)
+        )
+    assert kernel.bf16_fma_matmul(torch.zeros(0, 16, dtype=torch.bfloat16), weight).shape == (0, 8)
+
+
+@needs_fma_kernel
+@pytest.mark.parametrize("row_copy", ["0", "1"])
+def test_bf16_maps_on_the_fma_kernel_keep_one_plain_copy(monkeypatch, row_copy):
+    """Where the float32 FMA units outrun ``vdpbf16ps`` (forced here) a bf16 map keeps
+    the plain weight alone, whatever the row-copy setting, and no oneDNN copy: 1-8
+    rows on the row kernel, more on ``bf16_fma_matmul``, bit for bit."""
+    monkeypatch.setattr(prepack, "fma_gemm_kernel", decode_kernel)
+    monkeypatch.setenv(ROW_COPY_ENV, row_copy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 40)).to(torch.bfloat16)
+    packed = PackedLinears(model, dtype=torch.bfloat16)
+    linear_map = packed.packed_weight(model[0])
+    assert linear_map.packed is None and linear_map.weight is not None
+    assert linear_map.row_kernel_rows == prepack.PLAIN_ROW_KERNEL_ROWS
+    kernel = decode_kernel()
+    with torch.inference_mode():
+        for rows in (1, 8, 9, 64, 300):
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            name = "bf16_rows_matmul" if rows <= 8 else "bf16_fma_matmul"
+            want = getattr(kernel, name)(x, linear_map.weight, model[0].bias)
+            assert torch.equal(model[0](x), want)
+        x = torch.randn(2, 30, 96).to(torch.bfloat16)  # rows with a leading batch shape
+        assert torch.equal(model[0](x), model[0](x.reshape(60, 96)).view(2, 30, 160))
+    packed.restore()
+
+
 @needs_row_kernel
 def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypatch):
     """With the row copy, 1-4 rows are the row kernel's output and 5 or more oneDNN's,
@@ -361,6 +451,7 @@ def test_bf16_maps_run_a_few_rows_on_the_row_kernel_and_more_on_onednn(monkeypat
     kernel, then ``F.linear``."""
     if not onednn_packs(torch.bfloat16):
         pytest.skip("oneDNN cannot pack bfloat16 on this CPU: see the plain-weight test")
+    monkeypatch.setattr(prepack, "fma_gemm_kernel", lambda: None)  # oneDNN's batches
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 40)).to(torch.bfloat16)
     monkeypatch.setenv(ROW_COPY_ENV, "1")
@@ -396,6 +487,7 @@ def test_bf16_maps_keep_plain_weights_where_onednn_cannot_pack_them(monkeypatch,
     is built (else widened to float32, ``widened_linear``), bit for bit; each is the
     float32 product to one bfloat16 rounding."""
     monkeypatch.setattr(prepack, "onednn_packs", lambda dtype: dtype is not torch.bfloat16)
+    monkeypatch.setattr(prepack, "fma_gemm_kernel", lambda: None)  # AVX-512's: see below
     monkeypatch.setenv(ROW_COPY_ENV, row_copy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 40)).to(torch.bfloat16)

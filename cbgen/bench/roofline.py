@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..executor.cpu.kernels import decode_kernel
 from ..executor.cpu.prepack import (
     PACKED_DTYPES,
     onednn_packs,
@@ -59,7 +60,8 @@ def _linear_kernels(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor
     bfloat16 where oneDNN packs none (AVX2-only CPUs) also times the float32 GEMM on the
     weights widened to float32 (a bfloat16 product is exact in float32): torch's own
     bfloat16 GEMM there ran SmolLM2's maps at 64 rows about 6x slower than that, which
-    made the roofline a floor and cbgen's share of it over 100%."""
+    made the roofline a floor and cbgen's share of it over 100%. It is timed beside
+    oneDNN's bfloat16 too, and cbgen's float32-FMA kernel where it is built."""
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "F.linear": lambda x: F.linear(x, w)
     }
@@ -68,9 +70,14 @@ def _linear_kernels(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor
     if onednn_packs(w.dtype):
         packed = pack_weight(w, m)
         kernels["oneDNN prepacked"] = lambda x: packed_linear(x, packed)
-    else:
+    if w.dtype is torch.bfloat16:
+        # Where the float32 FMA units outrun vdpbf16ps (Intel's cores without AMX:
+        # bf16_gemm_choice), widened float32 is the better GEMM even beside oneDNN's bf16.
         widened = pack_weight(w.float(), m)
         kernels["oneDNN prepacked, float32 (widened)"] = lambda x: packed_linear(x.float(), widened)
+        kernel = decode_kernel()
+        if kernel is not None and kernel.bf16_fma_available():
+            kernels["cbgen bf16_fma_matmul"] = lambda x: kernel.bf16_fma_matmul(x, w)
     return kernels
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ...sysmem import file_mappings, meminfo_kib, unmodified_file_pages
+from .bf16_gemm_choice import fma_gemm_kernel
 from .routed_experts import experts_parameters, per_expert, route_tokens, routed_form
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,9 @@ class PackedMap(LinearMap):
     the map holds the plain weight alone (``packed`` is None): the row kernel's AVX2
     build for 1 to ``PLAIN_ROW_KERNEL_ROWS`` rows, ``bf16_avx2_matmul`` (rows in the
     vector lanes) for more, and ``widened_linear`` where that kernel is not built.
+    Where the float32 FMA units outrun ``vdpbf16ps`` (``bf16_gemm_choice``: Intel's
+    cores without AMX) the map holds the plain weight alone too, and more rows than
+    the row kernel's go to ``bf16_fma_matmul``.
     """
 
     def __init__(
@@ -127,15 +131,14 @@ class PackedMap(LinearMap):
     ) -> None:
         self.dtype = weight.dtype
         self.out_features = int(weight.shape[0])
-        self.packed = pack_weight(weight, hint) if onednn_packs(weight.dtype) else None
+        bf16 = weight.dtype is torch.bfloat16
+        self.fma_kernel = fma_gemm_kernel() if bf16 else None
+        packs = onednn_packs(weight.dtype) and self.fma_kernel is None
+        self.packed = pack_weight(weight, hint) if packs else None
         self.bias = bias
         plain = self.packed is None
-        self.rows_kernel = (
-            _bf16_rows_kernel() if (row_copy or plain) and weight.dtype is torch.bfloat16 else None
-        )
-        self.lanes_kernel = (
-            _bf16_lanes_kernel() if plain and weight.dtype is torch.bfloat16 else None
-        )
+        self.rows_kernel = _bf16_rows_kernel() if (row_copy or plain) and bf16 else None
+        self.lanes_kernel = _bf16_lanes_kernel() if plain and bf16 else None
         keep = plain or self.rows_kernel is not None
         self.weight = weight.detach().contiguous() if keep else None
         self.row_kernel_rows = PLAIN_ROW_KERNEL_ROWS if plain else ROW_KERNEL_ROWS
@@ -150,7 +153,10 @@ class PackedMap(LinearMap):
             out = self.rows_kernel.bf16_rows_matmul(rows, self.weight, self.bias)
             out = out if rows is x else out.view(*x.shape[:-1], self.out_features)
         elif self.packed is None:
-            if self.lanes_kernel is not None:
+            if self.fma_kernel is not None:
+                out = self.fma_kernel.bf16_fma_matmul(rows, self.weight, self.bias)
+                out = out.view(*x.shape[:-1], self.out_features)
+            elif self.lanes_kernel is not None:
                 out = self.lanes_kernel.bf16_avx2_matmul(rows, self.weight, self.bias)
                 out = out.view(*x.shape[:-1], self.out_features)
             else:

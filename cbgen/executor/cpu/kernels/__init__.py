@@ -42,6 +42,7 @@ SOURCES = (
     "routed_experts.cpp",
     "int8_matmul.cpp",
     "bf16_matmul.cpp",
+    "bf16_fma_matmul.cpp",
     "quantize.cpp",
     "weight_watch.cpp",
     "bindings.cpp",

@@ -48,6 +48,10 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
 bool bf16_avx2_available();
 at::Tensor bf16_avx2_matmul(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias);
+bool bf16_fma_available();
+std::vector<double> bf16_dot_fma_rates();
+at::Tensor bf16_fma_matmul(const at::Tensor& x, const at::Tensor& weight,
+                           const c10::optional<at::Tensor>& bias);
 at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales);
 std::vector<at::Tensor> quantize_4bit(const at::Tensor& weight, int64_t group);
@@ -120,6 +124,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_avx2_matmul", &bf16_avx2_matmul,
         "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias), any m, AVX2 (CPU)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none());
+  m.def("bf16_fma_available", &bf16_fma_available,
+        "whether bf16_fma_matmul was compiled (AVX-512)");
+  m.def("bf16_dot_fma_rates", &bf16_dot_fma_rates,
+        "GFLOP/s of one thread's vdpbf16ps and vfmadd231ps on 512 bits (0 where not built)");
+  m.def("bf16_fma_matmul", &bf16_fma_matmul,
+        "bfloat16 [m, k] x bfloat16 [n, k] weights (+ bias) on float32 FMAs, AVX-512 (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("quantize_4bit", &quantize_4bit,
         "weight [n, k] to 4-bit codes packed in nibbles, scales and minima per group (CPU)",
         py::arg("weight"), py::arg("group"));
