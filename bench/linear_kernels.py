@@ -5,7 +5,9 @@
 For each kind (float32 / bfloat16 ``F.linear``, oneDNN prepacked float32 / bfloat16,
 cbgen's few-row bfloat16 kernel (``bf16-rows``, up to 8 rows), plain bfloat16 weights
 widened to float32 a chunk at a time for torch's float32 GEMM (``bf16-widened``, what
-``bf16-packed`` runs where oneDNN packs no bfloat16 and cbgen's lanes kernel is not built),
+``bf16-packed`` runs where oneDNN packs no bfloat16 and cbgen's lanes kernel is not built;
+``bf16-packed`` is whatever bf16 maps run here, ``bf16-onednn`` oneDNN's packed bfloat16 and
+``bf16-fma`` cbgen's float32-FMA kernel whatever ``bf16_gemm_choice`` picks),
 weight-only int8 (with
 cbgen's few-row kernel, and ``int8-torch``: torch's kernel at every row count), 4-bit
 (cbgen's bfloat16 kernel, and ``int4-torch``: torch's) and 4-bit with int8 activations
@@ -32,7 +34,7 @@ from transformers import AutoConfig
 
 from cbgen.bench.workloads import resolve_model
 from cbgen.executor.cpu.kernels import decode_kernel
-from cbgen.executor.cpu.prepack import PackedMap, widened_linear
+from cbgen.executor.cpu.prepack import PackedMap, pack_weight, packed_linear, widened_linear
 from cbgen.executor.cpu.quantization import Int4Map, QuantizedLinear
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -63,6 +65,18 @@ def build(kind: str, weight: torch.Tensor, rows: int) -> tuple[Kernel, int, torc
         native = decode_kernel()
         assert native is not None and rows <= 8, "bf16-rows: native kernels, at most 8 rows"
         return (lambda x: native.bf16_rows_matmul(x, w)), w.numel() * 2, torch.bfloat16
+    if kind == "bf16-fma":  # cbgen's float32-FMA kernel (AVX-512), any rows, plain weights
+        w = weight.to(torch.bfloat16).contiguous()
+        native = decode_kernel()
+        assert native is not None and native.bf16_fma_available(), "bf16-fma: AVX-512 builds"
+        return (lambda x: native.bf16_fma_matmul(x, w)), w.numel() * 2, torch.bfloat16
+    if kind == "bf16-onednn":  # oneDNN's packed bf16, whichever kernel bf16-packed picks
+        packed_weight = pack_weight(weight.to(torch.bfloat16), rows)
+        return (
+            (lambda x: packed_linear(x, packed_weight)),
+            weight.numel() * 2,
+            torch.bfloat16,
+        )
     if kind == "bf16-widened":
         w = weight.to(torch.bfloat16).contiguous()
         return (lambda x: widened_linear(x, w, None)), w.numel() * 2, torch.bfloat16

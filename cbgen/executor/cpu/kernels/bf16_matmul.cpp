@@ -47,6 +47,11 @@ inline __mmask32 head_mask(int64_t left) {
   return left >= 32 ? ~__mmask32(0) : left <= 0 ? 0 : static_cast<__mmask32>((1u << left) - 1);
 }
 
+// How far ahead of its loads the row kernel asks for weights. On Intel's Emerald Rapids
+// (2 threads, a 1B model's maps and head at one row) the hardware prefetcher alone read
+// 16.8-18.1 GB/s where a plain read loop reads 26; 2 KB ahead 20.7-22.6, 4 KB 21.3-21.6.
+constexpr int kDotPrefetchBytes = 4096;
+
 // One weight row against M activation rows, into out[0..M): two independent sums per
 // activation row along the weight row, so the adds of one never wait on the other.
 template <int M>
@@ -56,6 +61,9 @@ inline void dot_row(const uint16_t* w, int64_t k, const uint16_t* x, float* out)
     for (int j = 0; j < M; ++j) acc[u][j] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= k; i += 64) {
+    // Past the weights' end (the next rows follow) is harmless: prefetches never fault.
+    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kDotPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kDotPrefetchBytes + 64, _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
     for (int j = 0; j < M; ++j) {
