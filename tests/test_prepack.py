@@ -343,14 +343,23 @@ def test_bf16_lanes_kernel_is_the_product_to_one_rounding(
 def test_bf16_lanes_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch(rows, seed):
     """Each output's sum runs along the columns in order whatever the rows beside it, so
     a request's logits do not depend on the batch it decodes in (to the bit)."""
+    _assert_rows_alone_match_the_batch("bf16_avx2_matmul", 37, rows, seed)
+
+
+def _assert_rows_alone_match_the_batch(
+    kernel_name: str, out_features: int, rows: int, seed: int
+) -> torch.Tensor:
+    """The first, middle and last of ``rows`` rows alone get the bits they get together;
+    returns the batch's output."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(37, 300, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, 300, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, 300, generator=generator).to(torch.bfloat16)
-    kernel = decode_kernel()
-    batched = kernel.bf16_avx2_matmul(x, weight, None)
+    kernel = getattr(decode_kernel(), kernel_name)
+    batched = kernel(x, weight, None)
     for row in (0, rows // 2, rows - 1):
-        alone = kernel.bf16_avx2_matmul(x[row : row + 1].contiguous(), weight, None)
+        alone = kernel(x[row : row + 1].contiguous(), weight, None)
         assert torch.equal(alone[0].view(torch.int16), batched[row].view(torch.int16))
+    return batched
 
 
 needs_fma_kernel = pytest.mark.skipif(
@@ -386,18 +395,14 @@ def test_bf16_fma_kernel_gives_a_row_alone_the_bits_it_gets_in_a_batch(rows, see
     """Each output's sum runs along the columns in order whatever the rows beside it
     (and however many threads run it), so a request's logits do not depend on the batch
     it decodes in (to the bit)."""
-    generator = torch.Generator().manual_seed(seed)
+    batched = _assert_rows_alone_match_the_batch("bf16_fma_matmul", 101, rows, seed)
+    generator = torch.Generator().manual_seed(seed)  # the same weight and rows again
     weight = torch.randn(101, 300, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, 300, generator=generator).to(torch.bfloat16)
-    kernel = decode_kernel()
-    batched = kernel.bf16_fma_matmul(x, weight, None)
-    for row in (0, rows // 2, rows - 1):
-        alone = kernel.bf16_fma_matmul(x[row : row + 1].contiguous(), weight, None)
-        assert torch.equal(alone[0].view(torch.int16), batched[row].view(torch.int16))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernel.bf16_fma_matmul(x, weight, None), batched)
+        assert torch.equal(decode_kernel().bf16_fma_matmul(x, weight, None), batched)
     finally:
         torch.set_num_threads(threads)
 

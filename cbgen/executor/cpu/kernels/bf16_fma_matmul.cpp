@@ -249,6 +249,10 @@ double time_loop(int64_t loops, Op op) {
 
 }  // namespace
 
+// bf16_matmul.cpp's argument checks, shared by its kernels and this one.
+at::Tensor checked_bias(const char* name, const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias);
+
 bool bf16_fma_available() { return CBGEN_BF16_FMA512 != 0; }
 
 // GFLOP/s of one thread issuing independent `vdpbf16ps` (64 flops each) and independent
@@ -294,19 +298,7 @@ std::vector<double> bf16_dot_fma_rates() {
 at::Tensor bf16_fma_matmul(const at::Tensor& x, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(CBGEN_BF16_FMA512, "bf16_fma_matmul: built without AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "bf16_fma_matmul: x: bfloat16 [m, k]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous(),
-              "bf16_fma_matmul: weight: contiguous bfloat16 [n, k]");
-  TORCH_CHECK(weight.size(1) == x.size(1), "bf16_fma_matmul: x has ", x.size(1),
-              " columns, weight ", weight.size(1));
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == weight.size(0), "bf16_fma_matmul: bias has ", bias->numel(),
-                " values for ", weight.size(0), " outputs");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = checked_bias("bf16_fma_matmul", x, weight, bias);
   const int64_t m = x.size(0), n = weight.size(0);
   [[maybe_unused]] const int64_t k = x.size(1);
   auto out = at::empty({m, n}, x.options());

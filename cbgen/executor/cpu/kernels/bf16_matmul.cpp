@@ -209,8 +209,11 @@ void rows_matmul(const uint16_t* w, int64_t n, int64_t k, const uint16_t* x, con
   });
 }
 
-// The checks both entry points make: bfloat16 x [m, k] against a contiguous bfloat16
-// weight [n, k]; returns the bias as float32 (undefined when there is none).
+}  // namespace
+
+// The checks every bf16 entry point makes (this file's two and bf16_fma_matmul): bfloat16
+// x [m, k] against a contiguous bfloat16 weight [n, k]; returns the bias as float32
+// (undefined when there is none).
 at::Tensor checked_bias(const char* name, const at::Tensor& x, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x: bfloat16 [m, k]");
@@ -224,8 +227,6 @@ at::Tensor checked_bias(const char* name, const at::Tensor& x, const at::Tensor&
               " values for ", weight.size(0), " outputs");
   return bias->to(at::kFloat).contiguous();
 }
-
-}  // namespace
 
 bool bf16_rows_available() { return CBGEN_BF16_DOT != 0 || CBGEN_BF16_AVX2 != 0; }
 
