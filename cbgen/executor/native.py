@@ -80,4 +80,6 @@ class NativeLayerOps(LayerOps):
         self.add_rms_norm = module.add_rms_norm
         self.rope_qkv = module.rope_qkv
         self.silu_mul = getattr(module, "silu_mul", None)
+        # The layer loop in one call (``cbgen.executor.cpu.layer_stack``), where built.
+        self.LayerStack = getattr(module, "LayerStack", None)
         return None

@@ -56,6 +56,7 @@ from torch import nn
 from ..metadata import ProbeRecord
 from ..parallel.sharding import REDUCE_HOOK_ATTR
 from .embedding_rows import file_rows
+from .layer_stack import build_layer_stack
 from .moe_block import MoeCall, moe_call
 from .prepack import LinearMap, PackedLinears
 
@@ -176,6 +177,10 @@ class FastForward:
         silu_mul = getattr(layer_ops, "silu_mul", None)
         self._silu_mul = silu_mul if weight.dtype == torch.bfloat16 else None
         self._heads, self._kv_heads, self._head_dim = heads, kv_heads, head_dim
+        # The layer loop in one native call, for the steps the row kernel serves.
+        self._stack = build_layer_stack(
+            layers, layer_ops, heads, kv_heads, head_dim, plain_mlp=self._silu_mul is not None
+        )
         self.vocab_size = int(model.lm_head.out_features)  # type: ignore[union-attr]
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
@@ -199,7 +204,9 @@ class FastForward:
         kv_shape = (tokens, self._kv_heads, self._head_dim)
         dtype = self._dtype
         delta: torch.Tensor | None = None
-        for layer in self._layers:
+        if self._stack is not None:
+            delta = self._stack(hidden, *cos_sin[None], metadata)
+        for layer in self._layers if delta is None else ():
             x = ops.add_rms_norm(hidden, delta, layer.input_norm, layer.input_eps, dtype)
             cos, sin = cos_sin[layer.rope]
             qkv = layer.qkv(x)

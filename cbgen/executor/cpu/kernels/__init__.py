@@ -45,6 +45,7 @@ SOURCES = (
     "bf16_fma_matmul.cpp",
     "quantize.cpp",
     "weight_watch.cpp",
+    "layer_stack.cpp",
     "bindings.cpp",
 )
 # Included by the sources; part of the build key, so an edit rebuilds.

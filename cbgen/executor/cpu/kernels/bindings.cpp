@@ -57,6 +57,7 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
 std::vector<at::Tensor> quantize_4bit(const at::Tensor& weight, int64_t group);
 std::vector<at::Tensor> quantize_8bit(const at::Tensor& weight);
 void bind_weight_watch(py::module_& m);
+void bind_layer_stack(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
@@ -137,4 +138,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_8bit", &quantize_8bit,
         "weight [n, k] to int8 codes and one scale per output row (CPU)", py::arg("weight"));
   bind_weight_watch(m);
+  bind_layer_stack(m);
 }
