@@ -502,6 +502,12 @@ std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor
 #if CBGEN_INT4_BF16
 namespace {
 
+// Each group's codes are also prefetched this far ahead (the next lines of the thread's
+// run of blocks, which lie end to end): with the hardware prefetcher alone the 1B shape's
+// 4-bit maps and int8 head read 15 GB/s at one row on the 2026-12-07 Intel Xeon (2
+// threads), where the bfloat16 row kernel, prefetching the same way, reads 26-30.
+constexpr int64_t kInt4PrefetchBytes = 4096;
+
 // R rows of activations (x, row stride k; S their sums per scale group, row stride
 // scale_groups) against one block of 16 output rows; out gets R x 16 float32. A scale
 // group spans `per` groups of 32 codes: their dot products add up before its scale.
@@ -523,6 +529,9 @@ void int4_bf16_block(const uint8_t* wb, const uint16_t* smb, int64_t scale_group
     }
     for (int64_t g = sg * per; g < (sg + 1) * per; ++g) {
       const uint8_t* wg = wb + g * 256;
+      // Past the weights' end is harmless: prefetches never fault.
+      for (int line = 0; line < 256; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wg) + kInt4PrefetchBytes + line, _MM_HINT_T0);
       for (int q = 0; q < 8; ++q) {
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(wg + q * 32)));
