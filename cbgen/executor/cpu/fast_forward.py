@@ -177,7 +177,7 @@ class FastForward:
         silu_mul = getattr(layer_ops, "silu_mul", None)
         self._silu_mul = silu_mul if weight.dtype == torch.bfloat16 else None
         self._heads, self._kv_heads, self._head_dim = heads, kv_heads, head_dim
-        # The layer loop in one native call, for the steps the row kernel serves.
+        # The layer loop in one native call, for the steps only cbgen's own kernels serve.
         self._stack = build_layer_stack(
             layers, layer_ops, heads, kv_heads, head_dim, plain_mlp=self._silu_mul is not None
         )

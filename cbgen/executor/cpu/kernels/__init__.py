@@ -49,7 +49,7 @@ SOURCES = (
     "bindings.cpp",
 )
 # Included by the sources; part of the build key, so an edit rebuilds.
-HEADERS = ("simd.h",)
+HEADERS = ("simd.h", "entry_points.h")
 
 DISABLE_ENV = "CBGEN_NO_KERNELS"
 

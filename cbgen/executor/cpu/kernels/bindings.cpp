@@ -1,39 +1,22 @@
 // The Python module of cbgen's CPU kernels: one extension for every source file.
 #include <torch/extension.h>
 
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
-                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale,
-                                  int64_t sliding_window, double softcap,
-                                  const c10::optional<at::Tensor>& sinks);
-at::Tensor add_rms_norm(const at::Tensor& residual, const c10::optional<at::Tensor>& delta,
-                        const at::Tensor& weight, double eps,
-                        c10::optional<at::ScalarType> out_dtype);
-at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                    int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& key_cache,
-                    const c10::optional<at::Tensor>& value_cache,
-                    const c10::optional<at::Tensor>& slots, int64_t head_dim);
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
+#include "entry_points.h"
+
 at::Tensor argmax_rows(const at::Tensor& logits);
 bool int4_vnni_available();
 std::vector<at::Tensor> int4_vnni_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima, bool nibbles);
-at::Tensor int4_vnni_matmul(const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& scales_minima);
 bool int4_bf16_available();
 std::vector<at::Tensor> int4_bf16_pack(const at::Tensor& codes, const at::Tensor& scales,
                                        const at::Tensor& minima, bool nibbles);
 bool int4_avx2_available();
-at::Tensor int4_avx2_matmul(const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& scales_minima);
 at::Tensor int4_avx2_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
                              const std::vector<at::Tensor>& packed,
                              const std::vector<at::Tensor>& scales_minima);
 at::Tensor int4_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
                         const std::vector<at::Tensor>& packed,
                         const std::vector<at::Tensor>& scales_minima, const std::string& path);
-at::Tensor int4_bf16_matmul(const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& scales_minima);
 at::Tensor routed_int4_experts(const at::Tensor& x, const at::Tensor& index,
                                const at::Tensor& weights,
                                const std::vector<at::Tensor>& first_packed,
@@ -43,8 +26,6 @@ at::Tensor routed_int4_experts(const at::Tensor& x, const at::Tensor& index,
                                const std::string& path, int64_t intermediate);
 int64_t int8_rows_limit();
 bool bf16_rows_available();
-at::Tensor bf16_rows_matmul(const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias);
 bool bf16_avx2_available();
 at::Tensor bf16_avx2_matmul(const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias);
@@ -52,8 +33,6 @@ bool bf16_fma_available();
 std::vector<double> bf16_dot_fma_rates();
 at::Tensor bf16_fma_matmul(const at::Tensor& x, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias);
-at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& codes,
-                            const at::Tensor& scales);
 std::vector<at::Tensor> quantize_4bit(const at::Tensor& weight, int64_t group);
 std::vector<at::Tensor> quantize_8bit(const at::Tensor& weight);
 void bind_weight_watch(py::module_& m);
