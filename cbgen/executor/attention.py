@@ -252,10 +252,7 @@ def _row_tables(
     """The block tables and context lengths the native kernel reads for ``layer``: the
     decode tables when every row is a decode, else one table per row (the builder gives
     every row one when the step has prefill rows)."""
-    tables = metadata.tables(layer)
-    if metadata.decode_only:
-        return tables.decode_block_tables, tables.decode_context_lens
-    return tables.row_block_tables, tables.row_context_lens
+    return metadata.tables(layer).row_tables(metadata.decode_only)
 
 
 def decode_attention(

@@ -56,6 +56,13 @@ class GroupTables:
     row_block_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
 
+    def row_tables(self, decode_only: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The block tables and context lengths a row-table kernel reads: the decode
+        tables when every row is a decode, else one table per row."""
+        if decode_only:
+            return self.decode_block_tables, self.decode_context_lens
+        return self.row_block_tables, self.row_context_lens
+
 
 @dataclass(frozen=True)
 class SlotSet:

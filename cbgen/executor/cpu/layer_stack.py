@@ -66,10 +66,7 @@ class RowLayerStack:
             return None
         slots, tables, lens = [], [], []
         for group in metadata.groups:
-            if metadata.decode_only:
-                table, length = group.decode_block_tables, group.decode_context_lens
-            else:
-                table, length = group.row_block_tables, group.row_context_lens
+            table, length = group.row_tables(metadata.decode_only)
             if table is None or length is None:
                 return None
             slots.append(group.slot_mapping)
