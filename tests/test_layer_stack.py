@@ -127,14 +127,15 @@ def test_steps_of_more_rows_than_the_row_kernel_run_the_loop():
     assert any(rows > 8 and not ran for rows, ran in by_rows.items())  # the prompt's prefill
 
 
-def test_a_float32_cache_runs_the_loop():
+def test_a_float32_cache_gives_the_loops_bits():
     """bfloat16 weights over a float32 K/V cache (``kv_cache_dtype``): attention's float32
-    rows go to o rounded, as the loop does it; the stack leaves every step to it (and the
-    run finishes)."""
+    rows go to o rounded to bfloat16, in the stack as in the loop."""
     config = EngineConfig(max_batch_tokens=4, block_size=4, kv_cache_dtype=torch.float32)
     model = bf16_model("llama", seed=2)
     steps = stack_and_loop_steps(model, random_prompts(2, 2, 9, seed=6), config)
-    assert steps and all(stack is None for stack, _, _, _ in steps)
+    assert steps and all(stack is not None for stack, _, _, _ in steps)
+    for stack, loop, _, _ in steps:
+        assert torch.equal(stack, loop)
 
 
 def test_a_lora_adapter_on_any_map_sends_the_step_to_the_loop():

@@ -14,9 +14,8 @@ embedding, paged attention, o, RMSNorm, fused gate/up, SiLU through the native
 activations, per-layer rotary types or tensor-parallel reduces) and every map one the
 stack can call as the map calls itself: a bfloat16 ``PackedMap`` on the row kernel (up to
 its rows), a native 4-bit ``Int4Map`` (any rows) or an ``Int8Map`` on its row kernel (up to
-its limit). Steps of more rows, with a LoRA adapter on any map, with another attention
-backend or with a K/V cache in another dtype than bfloat16 run the Python loop.
-``CBGEN_LAYER_STACK=0`` turns it off.
+its limit). Steps of more rows, with a LoRA adapter on any map or with another attention
+backend run the Python loop. ``CBGEN_LAYER_STACK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -60,10 +59,6 @@ class RowLayerStack:
         if any(linear_map.lora is not None for linear_map in self._maps):
             return None
         cache = metadata.cache
-        if cache.keys[0].dtype is not torch.bfloat16:
-            # A float32 cache (``kv_cache_dtype``) gives attention float32 rows, which the
-            # loop rounds to bfloat16 for o; the stack hands its kernels bfloat16 only.
-            return None
         slots, tables, lens = [], [], []
         for group in metadata.groups:
             table, length = group.row_tables(metadata.decode_only)

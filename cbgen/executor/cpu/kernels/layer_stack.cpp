@@ -153,7 +153,9 @@ class LayerStack {
       const at::Tensor out =
           paged_decode_attention(q, keys[c], values[c], tables[g], lens[g], layer.scale,
                                  layer.sliding_window, layer.softcap, c10::nullopt);
-      delta = layer.o(out.view({tokens, -1}));
+      // bfloat16 for o, as the loop's .to(dtype) rounds it (a float32 K/V cache makes
+      // attention's rows float32; a bfloat16 one returns them as they are).
+      delta = layer.o(out.view({tokens, -1}).to(at::kBFloat16));
       x = add_rms_norm(hidden, delta, layer.post_norm, layer.post_eps, bf16);
       const at::Tensor gate_up = layer.gate_up(x);
       const at::Tensor act = silu_mul(gate_up, layer.intermediate);
